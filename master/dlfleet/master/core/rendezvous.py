@@ -1,0 +1,361 @@
+"""The master's rendezvous: which nodes form round r, with which ranks.
+
+Rules (SPEC section 3):
+- A round forms when `max_nodes` have joined, or when at least `min_nodes` have
+  joined and `last_call_timeout` has passed since the last join; its size is
+  rounded down to a multiple of `node_unit`. After a round closed, it forms as
+  soon as every surviving member (and every node that was waiting) has joined
+  again: nobody else is expected, so there is no last call to wait out.
+- Exclusivity: a node that joins while a round is active waits for the next
+  one. If the active round could grow with it, the round is closed at once (the
+  members are told to re-rendezvous); if the round is full, the node is a spare.
+- A member that dies or leaves closes the round; the survivors re-join.
+- Group ranks are 0..W-1; members of the previous round keep their relative
+  order first (so a surviving node's rank is stable where it can be), then new
+  nodes in join order. Global ranks follow torchrun: prefix sums of local world
+  sizes by group rank.
+- A node waiting longer than `join_timeout` for a round that cannot form is
+  dropped with a clear reason.
+
+Every operation validates, then applies events (see `RendezvousEvent`); the
+same `apply` replays the journal after a master restart. Time is `now_ms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlfleet.api.errors import InvalidArgument, StaleError
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_unit: int = 1
+    last_call_timeout_ms: int = 3_000
+    join_timeout_ms: int = 600_000
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise InvalidArgument(f"min_nodes must be at least 1, got {self.min_nodes}")
+        if self.max_nodes < self.min_nodes:
+            raise InvalidArgument(
+                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})"
+            )
+        if self.node_unit < 1 or self.node_unit > self.max_nodes:
+            raise InvalidArgument(f"node_unit must be in 1..max_nodes, got {self.node_unit}")
+        if self.max_nodes // self.node_unit * self.node_unit < self.min_nodes:
+            raise InvalidArgument(
+                f"no multiple of node_unit {self.node_unit} lies in "
+                f"{self.min_nodes}..{self.max_nodes} nodes"
+            )
+        if self.last_call_timeout_ms < 0 or self.join_timeout_ms < 1:
+            raise InvalidArgument("last_call_timeout must be >= 0 and join_timeout > 0")
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    group_rank: int
+    local_world_size: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Round:
+    round: int
+    members: tuple[Member, ...]  # by group rank
+    bootstrap_host: str
+    bootstrap_port: int
+    formed_ms: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def member(self, node_id: str) -> Member | None:
+        for member in self.members:
+            if member.node_id == node_id:
+                return member
+        return None
+
+    def local_world_sizes(self) -> tuple[int, ...]:
+        return tuple(m.local_world_size for m in self.members)
+
+
+@dataclass(frozen=True)
+class Participant:
+    node_id: str
+    local_world_size: int
+    host: str
+    port: int
+    joined_ms: int
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True)
+class RendezvousEvent:
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        return json.dumps({"t": type(self).__name__, **data}, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> RendezvousEvent:
+        data = json.loads(text)
+        kind = RENDEZVOUS_EVENTS[data.pop("t")]
+        if kind is RoundFormed:
+            data["members"] = tuple(Member(**m) for m in data["members"])
+        if kind is NodeJoined:
+            data["participant"] = Participant(**data["participant"])
+        return kind(**data)
+
+
+@dataclass(frozen=True)
+class NodeJoined(RendezvousEvent):
+    participant: Participant
+
+
+@dataclass(frozen=True)
+class NodeDropped(RendezvousEvent):
+    """Left the waiting list: died, left, or timed out waiting."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoundClosed(RendezvousEvent):
+    round: int
+    reason: str
+    expected: tuple[str, ...]  # who should re-join: the surviving members
+
+
+@dataclass(frozen=True)
+class RoundFormed(RendezvousEvent):
+    round: int
+    members: tuple[Member, ...]
+    bootstrap_host: str
+    bootstrap_port: int
+    formed_ms: int
+
+
+RENDEZVOUS_EVENTS: dict[str, type[RendezvousEvent]] = {
+    kind.__name__: kind for kind in (NodeJoined, NodeDropped, RoundClosed, RoundFormed)
+}
+
+
+# ------------------------------------------------------------------- state
+
+
+@dataclass
+class RendezvousState:
+    last_round: int = 0
+    active: Round | None = None
+    waiting: dict[str, Participant] = field(default_factory=dict)  # in join order
+    expected: set[str] = field(default_factory=set)
+    previous_ranks: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)  # node -> why, until it joins again
+    closed_reason: str = ""
+
+
+class Rendezvous:
+    """Not thread-safe: one owner (the master's event loop) drives it."""
+
+    def __init__(self, settings: RendezvousSettings | None = None) -> None:
+        self.settings = settings or RendezvousSettings()
+        self.state = RendezvousState()
+
+    # ------------------------------------------------------------ operations
+
+    def join(
+        self, node_id: str, local_world_size: int, host: str, port: int, now_ms: int
+    ) -> list[RendezvousEvent]:
+        if not node_id:
+            raise InvalidArgument("join needs a node id")
+        if not 1 <= local_world_size <= 1024:
+            raise InvalidArgument(f"local_world_size must be in 1..1024, got {local_world_size}")
+        if not 0 <= port <= 65535:
+            raise InvalidArgument(f"bootstrap port must be in 0..65535, got {port}")
+        state = self.state
+        events: list[RendezvousEvent] = []
+        active = state.active
+        if active is not None and active.member(node_id) is not None:
+            # A member joining again means its round is over for it: close it.
+            survivors = tuple(m.node_id for m in active.members)
+            self._emit(events, RoundClosed(active.round, f"{node_id} re-joined", survivors))
+        previous = state.waiting.get(node_id)
+        joined_ms = previous.joined_ms if previous is not None else now_ms
+        self._emit(
+            events, NodeJoined(Participant(node_id, local_world_size, host, port, joined_ms))
+        )
+        active = state.active
+        if active is not None and self._could_grow(active):
+            members = tuple(m.node_id for m in active.members)
+            self._emit(events, RoundClosed(active.round, f"{node_id} is waiting to join", members))
+        events += self.tick(now_ms)
+        return events
+
+    def remove(
+        self, node_id: str, reason: str, now_ms: int, close_round: bool = True
+    ) -> list[RendezvousEvent]:
+        """The node died or left: drop it, and close its round if it had one.
+        A node whose workers finished leaves with `close_round=False`: the
+        others may still be finishing their last steps."""
+        state = self.state
+        events: list[RendezvousEvent] = []
+        active = state.active
+        if close_round and active is not None and active.member(node_id) is not None:
+            survivors = tuple(m.node_id for m in active.members if m.node_id != node_id)
+            self._emit(events, RoundClosed(active.round, f"{node_id} {reason}", survivors))
+        if node_id in state.waiting or node_id in state.expected:
+            self._emit(events, NodeDropped(node_id, reason))
+        events += self.tick(now_ms)
+        return events
+
+    def tick(self, now_ms: int) -> list[RendezvousEvent]:
+        """Form the next round if it is due; drop joiners that waited too long."""
+        events: list[RendezvousEvent] = []
+        state = self.state
+        if state.active is not None:
+            return events
+        formed = self._decide_round(now_ms)
+        if formed is not None:
+            self._emit(events, formed)
+            return events
+        timeout = self.settings.join_timeout_ms
+        for participant in list(state.waiting.values()):
+            if now_ms - participant.joined_ms >= timeout:
+                why = (
+                    f"no round formed within join_timeout ({timeout / 1000:g}s): "
+                    f"{len(state.waiting)} node(s) joined, min_nodes is {self.settings.min_nodes}"
+                )
+                self._emit(events, NodeDropped(participant.node_id, why))
+        return events
+
+    def next_deadline(self) -> int | None:
+        """When `tick` may next change something (a last call or a join
+        timeout), for a precise timer instead of polling."""
+        state = self.state
+        if state.active is not None or not state.waiting:
+            return None
+        last_join = max(p.joined_ms for p in state.waiting.values())
+        first_join = min(p.joined_ms for p in state.waiting.values())
+        return min(
+            last_join + self.settings.last_call_timeout_ms,
+            first_join + self.settings.join_timeout_ms,
+        )
+
+    # --------------------------------------------------------------- queries
+
+    def assignment(self, node_id: str) -> Round | None:
+        active = self.state.active
+        if active is not None and active.member(node_id) is not None:
+            return active
+        return None
+
+    def check_member(self, node_id: str, round_: int) -> Round:
+        """Fencing: `round_` must be the active round and `node_id` a member."""
+        active = self.state.active
+        if active is None or active.round != round_:
+            current = active.round if active else "none (forming)"
+            raise StaleError(f"round {round_} is stale: the current round is {current}")
+        if active.member(node_id) is None:
+            raise StaleError(f"node {node_id} is not a member of round {round_}")
+        return active
+
+    def num_nodes_waiting(self) -> int:
+        return len(self.state.waiting)
+
+    # ----------------------------------------------------------------- apply
+
+    def apply(self, event: RendezvousEvent) -> None:
+        state = self.state
+        if isinstance(event, NodeJoined):
+            participant = event.participant
+            state.waiting.pop(participant.node_id, None)
+            state.waiting[participant.node_id] = participant
+            state.dropped.pop(participant.node_id, None)
+        elif isinstance(event, NodeDropped):
+            state.waiting.pop(event.node_id, None)
+            state.expected.discard(event.node_id)
+            state.dropped[event.node_id] = event.reason
+        elif isinstance(event, RoundClosed):
+            assert state.active is not None and state.active.round == event.round
+            state.previous_ranks = {m.node_id: m.group_rank for m in state.active.members}
+            state.expected = set(event.expected) | set(state.waiting)
+            state.active = None
+            state.closed_reason = event.reason
+        elif isinstance(event, RoundFormed):
+            state.active = Round(
+                event.round, event.members, event.bootstrap_host, event.bootstrap_port,
+                event.formed_ms,
+            )  # fmt: skip
+            state.last_round = event.round
+            for member in event.members:
+                state.waiting.pop(member.node_id, None)
+            state.expected = set()
+        else:
+            raise AssertionError(f"unknown rendezvous event {event!r}")
+
+    def _emit(self, events: list[RendezvousEvent], event: RendezvousEvent) -> None:
+        self.apply(event)
+        events.append(event)
+
+    # --------------------------------------------------------------- helpers
+
+    def _could_grow(self, active: Round) -> bool:
+        unit = self.settings.node_unit
+        possible = min(self.settings.max_nodes, active.world_size + len(self.state.waiting))
+        return possible // unit * unit > active.world_size
+
+    def _decide_round(self, now_ms: int) -> RoundFormed | None:
+        state, settings = self.state, self.settings
+        joined = list(state.waiting.values())
+        count = len(joined)
+        if count < settings.min_nodes:
+            return None
+        everyone_back = bool(state.expected) and state.expected <= set(state.waiting)
+        last_join = max(p.joined_ms for p in joined)
+        last_call_over = now_ms - last_join >= settings.last_call_timeout_ms
+        if count < settings.max_nodes and not everyone_back and not last_call_over:
+            return None
+        size = min(count, settings.max_nodes) // settings.node_unit * settings.node_unit
+        if size < settings.min_nodes:
+            return None
+        # Previous members first, keeping their order; then newcomers by join time.
+        ranked = sorted(
+            joined,
+            key=lambda p: (
+                state.previous_ranks.get(p.node_id, len(state.previous_ranks)),
+                p.joined_ms,
+            ),
+        )[:size]
+        members = tuple(
+            Member(p.node_id, rank, p.local_world_size, p.host) for rank, p in enumerate(ranked)
+        )
+        leader = ranked[0]
+        return RoundFormed(state.last_round + 1, members, leader.host, leader.port, now_ms)
+
+
+def global_ranks(round_: Round, node_id: str) -> range:
+    """The global ranks of `node_id`'s local processes (torchrun's rule)."""
+    start = 0
+    for member in round_.members:
+        if member.node_id == node_id:
+            return range(start, start + member.local_world_size)
+        start += member.local_world_size
+    raise StaleError(f"node {node_id} is not a member of round {round_.round}")
+
+
+def describe(round_: Round) -> dict[str, Any]:
+    return {
+        "round": round_.round,
+        "world": [(m.node_id, m.local_world_size) for m in round_.members],
+        "bootstrap": f"{round_.bootstrap_host}:{round_.bootstrap_port}",
+    }

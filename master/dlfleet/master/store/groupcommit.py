@@ -1,0 +1,152 @@
+"""Group commit: many small appends from many threads become one durable write.
+
+A durable commit costs an fsync (SQLite) or a round trip plus a WAL flush
+(PostgreSQL), whatever its size. The master's request handlers each need a
+handful of events written before they answer, so `GroupCommitter` lets them
+submit without blocking and has one writer thread append everything submitted
+so far with a single `StateStore.append`.
+
+Invariants:
+- `submit` never blocks on I/O: it only takes a lock that the writer holds
+  while it moves submissions in or out of the queue, never during a write.
+  So it is safe on an asyncio event loop thread (wrap the result with
+  `asyncio.wrap_future`).
+- One submission is never split: its entries land in one append, all or none.
+  A batch takes whole submissions in order until it would exceed `max_batch`
+  entries; a submission larger than `max_batch` is written alone.
+- Futures resolve in submission order, each only once everything submitted
+  before it is durable. A future's value is the seq of its submission's last
+  entry; for an empty submission, the last seq durable before it.
+- If an append fails, every future of that batch gets the exception and the
+  writer goes on with the next batch.
+- The store must number one append's entries consecutively (SqlStateStore
+  does): the seq of a submission inside a batch is derived from that.
+- A future cancelled before the writer takes it is dropped unwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from dlfleet.master.store.base import StateStore, StoreError
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class _Submission:
+    entries: tuple[tuple[str, str], ...]
+    future: Future[int]
+
+
+class GroupCommitter:
+    """Batches `submit`ted entries into single appends on one writer thread."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        thread_name: str = "dlfleet-group-commit",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self._store = store
+        self._max_batch = max_batch
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: deque[_Submission] = deque()
+        self._closing = False
+        self._batches = 0
+        self._entries = 0
+        self._submissions = 0
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @property
+    def batches(self) -> int:
+        """Appends made so far (failed ones included)."""
+        return self._batches
+
+    @property
+    def entries(self) -> int:
+        """Entries written so far (those of failed appends excluded)."""
+        return self._entries
+
+    @property
+    def submissions(self) -> int:
+        """Submissions accepted so far."""
+        return self._submissions
+
+    def submit(self, entries: Sequence[tuple[str, str]]) -> Future[int]:
+        """Queue (stream, payload) pairs to be appended together; the future
+        gives the seq of the last one once they are durable."""
+        submission = _Submission(tuple(entries), Future())
+        with self._cond:
+            if self._closing:
+                raise StoreError("the group committer is closed")
+            self._pending.append(submission)
+            self._submissions += 1
+            self._cond.notify()
+        return submission.future
+
+    def close(self) -> None:
+        """Write everything submitted so far, then stop the writer. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        # A done-callback runs on the writer thread and may call close().
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            if batch:  # empty when every taken future had been cancelled
+                self._write(batch)
+
+    def _take_batch(self) -> list[_Submission] | None:
+        """Wait for submissions and take the next batch; None once closed and
+        drained."""
+        with self._cond:
+            while not self._pending and not self._closing:
+                self._cond.wait()
+            batch: list[_Submission] = []
+            size = 0
+            while self._pending:
+                nxt = self._pending[0]
+                if batch and size + len(nxt.entries) > self._max_batch:
+                    break
+                self._pending.popleft()
+                if nxt.future.set_running_or_notify_cancel():
+                    batch.append(nxt)
+                    size += len(nxt.entries)
+            if not batch and self._closing and not self._pending:
+                return None
+            return batch
+
+    def _write(self, batch: list[_Submission]) -> None:
+        entries = [entry for submission in batch for entry in submission.entries]
+        try:
+            last = self._store.append(entries)
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting future
+            self._batches += 1
+            _log.warning("group commit of %d entries failed: %s", len(entries), exc)
+            for submission in batch:
+                submission.future.set_exception(exc)
+            return
+        self._batches += 1
+        self._entries += len(entries)
+        # Consecutive numbering: the batch took seqs last-len+1 .. last.
+        seq = last - len(entries)
+        for submission in batch:
+            seq += len(submission.entries)
+            submission.future.set_result(seq)

@@ -1,0 +1,31 @@
+"""dlfleet: an elastic, fault-tolerant control plane for data-parallel PyTorch.
+
+`dlfleet` is one import namespace spread over the component folders (`proto/`,
+`master/`, `worker/`, `brain/`). This file is the one deliberate piece that
+joins them: it extends `__path__` pkgutil-style, so a source checkout with the
+component folders on `sys.path` works like an installed wheel, and it
+re-exports the user-facing names lazily, so `import dlfleet.master` never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pkgutil import extend_path
+from typing import Any
+
+__path__ = extend_path(__path__, __name__)
+
+# name -> module that defines it; imported on first access only.
+_LAZY_EXPORTS = {
+    "ShardedDataLoader": "dlfleet.worker.loader",
+}
+
+__all__ = ["ShardedDataLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dlfleet' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

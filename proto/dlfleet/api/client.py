@@ -1,0 +1,538 @@
+"""The client agents and loaders use to talk to the master.
+
+Every call has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED)
+are retried with exponential backoff and jitter within a bounded budget of
+attempts and time, then end in `Unavailable` saying what was tried. Every other
+failure is raised at once as the domain error of its status code
+(`dlfleet.api.status`). Retrying is safe: leases carry a request id (a retry
+gets the same lease), reports of a lease already DONE are duplicates, restores
+are idempotent.
+
+The client is thread-safe (one channel, many threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from dlfleet.api.errors import Unavailable
+from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
+from dlfleet.api.v1 import (
+    nodes_pb2,
+    nodes_pb2_grpc,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+    shards_pb2,
+    shards_pb2_grpc,
+)
+
+_log = logging.getLogger(__name__)
+
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+Resp = TypeVar("Resp")
+
+
+def rank_lease_request(
+    dataset: str, node_id: str, rank: int, done: Iterable[int], request_id: str | None
+) -> shards_pb2.LeaseRequest:
+    """Async mode: a lease for one node-rank. The request id makes a retry
+    return the same lease instead of a second one."""
+    return shards_pb2.LeaseRequest(
+        dataset=dataset,
+        rank=shards_pb2.RankConsumer(node_id=node_id, rank=rank),
+        request_id=request_id or uuid.uuid4().hex,
+        done=done,
+    )
+
+
+def round_lease_request(
+    dataset: str, round: int, position: int, done: Iterable[int]
+) -> shards_pb2.LeaseRequest:
+    """Sync mode: position `position` of rendezvous round `round`."""
+    return shards_pb2.LeaseRequest(
+        dataset=dataset,
+        round=shards_pb2.RoundConsumer(round=round, position=position),
+        done=done,
+    )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 8
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    total_budget_s: float = 30.0
+
+    def backoff(self, attempt: int) -> float:
+        """Full jitter over an exponential cap."""
+        cap = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
+        return random.uniform(0, cap)
+
+
+class MasterClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str,
+        timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._options: list[tuple[str, Any]] = [
+            ("grpc.enable_retries", 0),
+            # Notice a dead master or a cut link on long-lived streams.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        self._channel = channel or grpc.insecure_channel(target, options=self._options)
+        self._io_loop: _IoLoop | None = None
+        self._io_lock = threading.Lock()
+        self._shards = shards_pb2_grpc.ShardsStub(self._channel)
+        self._nodes = nodes_pb2_grpc.NodesStub(self._channel)
+        self._rendezvous = rendezvous_pb2_grpc.RendezvousStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+        with self._io_lock:
+            io, self._io_loop = self._io_loop, None
+        if io is not None:
+            io.close()
+
+    def _io(self) -> _IoLoop:
+        with self._io_lock:
+            if self._io_loop is None:
+                self._io_loop = _IoLoop(self.target, self._options)
+            return self._io_loop
+
+    def __enter__(self) -> MasterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ datasets
+
+    def register_dataset(self, spec: shards_pb2.DatasetSpec) -> shards_pb2.RegisterDatasetResponse:
+        request = shards_pb2.RegisterDatasetRequest(spec=spec)
+        return self._call("RegisterDataset", self._shards.RegisterDataset, request)
+
+    def lease(
+        self,
+        dataset: str,
+        *,
+        node_id: str,
+        rank: int,
+        done: Iterable[int] = (),
+        request_id: str | None = None,
+    ) -> shards_pb2.LeaseResponse:
+        """Async mode: a lease for this node-rank alone, after reporting the
+        leases in `done` as finished (in the same round trip)."""
+        request = rank_lease_request(dataset, node_id, rank, done, request_id)
+        return self._call("Lease", self._shards.Lease, request)
+
+    def lease_for_round(
+        self, dataset: str, *, round: int, position: int, done: Iterable[int] = ()
+    ) -> shards_pb2.LeaseResponse:
+        """Sync mode: the shard at `position` of rendezvous round `round`; every
+        rank of the round gets the same answer."""
+        request = round_lease_request(dataset, round, position, done)
+        return self._call("Lease", self._shards.Lease, request)
+
+    def renew(
+        self, dataset: str, lease_id: int, consumed: int, *, round: int = 0
+    ) -> shards_pb2.RenewResponse:
+        request = shards_pb2.RenewRequest(
+            dataset=dataset, lease_id=lease_id, round=round, consumed=consumed
+        )
+        return self._call("Renew", self._shards.Renew, request)
+
+    def report_done(
+        self, dataset: str, lease_id: int, *, round: int = 0
+    ) -> shards_pb2.ReportResponse:
+        request = shards_pb2.ReportRequest(
+            dataset=dataset, lease_id=lease_id, round=round, done=shards_pb2.ShardDone()
+        )
+        return self._call("Report", self._shards.Report, request)
+
+    def report_failure(
+        self, dataset: str, lease_id: int, *, reason: str, consumed: int = 0, round: int = 0
+    ) -> shards_pb2.ReportResponse:
+        request = shards_pb2.ReportRequest(
+            dataset=dataset,
+            lease_id=lease_id,
+            round=round,
+            failure=shards_pb2.ShardFailure(reason=reason, consumed=consumed),
+        )
+        return self._call("Report", self._shards.Report, request)
+
+    def snapshot(
+        self, dataset: str, *, round: int = 0, progress: Iterable[tuple[int, int]] = ()
+    ) -> shards_pb2.DatasetSnapshot:
+        request = shards_pb2.SnapshotRequest(
+            dataset=dataset,
+            round=round,
+            progress=[shards_pb2.LeaseProgress(lease_id=i, consumed=c) for i, c in progress],
+        )
+        return self._call("Snapshot", self._shards.Snapshot, request)
+
+    def restore(
+        self, snapshot: shards_pb2.DatasetSnapshot, *, round: int = 0
+    ) -> shards_pb2.RestoreResponse:
+        request = shards_pb2.RestoreRequest(snapshot=snapshot, round=round)
+        return self._call("Restore", self._shards.Restore, request)
+
+    def dataset_status(self, dataset: str) -> shards_pb2.DatasetStatus:
+        request = shards_pb2.DatasetStatusRequest(dataset=dataset)
+        return self._call("GetDatasetStatus", self._shards.GetDatasetStatus, request)
+
+    # ---------------------------------------------------------- rendezvous
+
+    def join_rendezvous(
+        self,
+        *,
+        node_id: str,
+        incarnation: int,
+        local_world_size: int,
+        host: str,
+        bootstrap_port: int,
+        timeout_s: float = 900.0,
+    ) -> rendezvous_pb2.JoinResponse:
+        """Blocks until this node is a member of a formed round. Retried across
+        a master restart (joining again is idempotent)."""
+        request = rendezvous_pb2.JoinRequest(
+            node_id=node_id,
+            incarnation=incarnation,
+            local_world_size=local_world_size,
+            host=host,
+            bootstrap_port=bootstrap_port,
+        )
+
+        def once() -> rendezvous_pb2.JoinResponse:
+            return self._rendezvous.Join(request, timeout=timeout_s, metadata=self._metadata)
+
+        return self._with_retries("Join", once)
+
+    def leave_rendezvous(self, node_id: str, incarnation: int, reason: str) -> None:
+        request = rendezvous_pb2.LeaveRequest(
+            node_id=node_id, incarnation=incarnation, reason=reason
+        )
+        self._call("Leave", self._rendezvous.Leave, request)
+
+    def report_worker_failure(self, report: rendezvous_pb2.FailureReport) -> None:
+        self._call("ReportFailure", self._rendezvous.ReportFailure, report)
+
+    def rendezvous_state(self) -> rendezvous_pb2.RendezvousStateResponse:
+        request = rendezvous_pb2.RendezvousStateRequest()
+        return self._call("GetState", self._rendezvous.GetState, request)
+
+    def agent_session(
+        self, node_id: str, incarnation: int, heartbeat_interval_s: float
+    ) -> AgentSession:
+        """Open the node's session: heartbeats go up every interval, pushes
+        (re-rendezvous) come down into `AgentSession.events`."""
+        return AgentSession(self, node_id, incarnation, heartbeat_interval_s)
+
+    def lease_session(self) -> LeaseSession:
+        """A LeaseStream session for one consumer thread: the cheapest way to
+        lease shard after shard (one message each way per shard)."""
+        return LeaseSession(self)
+
+    # --------------------------------------------------------------- nodes
+
+    def register_node(
+        self, *, job_name: str, node_name: str, local_world_size: int, host: str = ""
+    ) -> nodes_pb2.RegisterNodeResponse:
+        request = nodes_pb2.RegisterNodeRequest(
+            job_name=job_name, node_name=node_name, local_world_size=local_world_size, host=host
+        )
+        return self._call("Register", self._nodes.Register, request)
+
+    def heartbeat(self, node_id: str, incarnation: int) -> nodes_pb2.HeartbeatResponse:
+        request = nodes_pb2.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
+        return self._call("Heartbeat", self._nodes.Heartbeat, request)
+
+    def deregister_node(self, node_id: str, incarnation: int) -> None:
+        request = nodes_pb2.DeregisterNodeRequest(node_id=node_id, incarnation=incarnation)
+        self._call("Deregister", self._nodes.Deregister, request)
+
+    # ----------------------------------------------------------- transport
+
+    def _call(self, name: str, method: Callable[..., Resp], request: Any) -> Resp:
+        def once() -> Resp:
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+
+        return self._with_retries(name, once)
+
+    def _with_retries(self, name: str, attempt_once: Callable[[], Resp]) -> Resp:
+        """Run `attempt_once` until it succeeds, a non-transient error ends it,
+        or the retry budget is spent (then `Unavailable`, naming the cause)."""
+        started = time.monotonic()
+        last: grpc.RpcError | None = None
+        for attempt in range(self.retry.attempts):
+            try:
+                return attempt_once()
+            except grpc.RpcError as error:
+                code = error.code()
+                if code not in _RETRYABLE:
+                    raise error_from_status(code, error.details() or "") from None
+                last = error
+            elapsed = time.monotonic() - started
+            pause = self.retry.backoff(attempt)
+            if attempt + 1 >= self.retry.attempts or elapsed + pause > self.retry.total_budget_s:
+                break
+            _log.debug("%s to %s failed (%s); retrying in %.2fs", name, self.target, last, pause)
+            time.sleep(pause)
+        assert last is not None
+        raise Unavailable(
+            f"{name} to master {self.target} failed after {attempt + 1} attempts over "
+            f"{time.monotonic() - started:.1f}s: {last.code().name}: {last.details()}"
+        )
+
+
+class _SharedLoop:
+    """One asyncio loop on a daemon thread per process, started on first use,
+    for every client's lease streams: a message on a grpc.aio stream costs
+    less CPU than on the sync API's streams (which hand every request to a
+    thread of their own), and one loop serves any number of sessions. A
+    forked child starts its own."""
+
+    _lock = threading.Lock()
+    _current: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._current is None or cls._current[0] != os.getpid():
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="dlfleet-client-io", daemon=True
+                ).start()
+                cls._current = (os.getpid(), loop)
+            return cls._current[1]
+
+
+class _IoLoop:
+    """A client's grpc.aio channel to the master, on the shared loop."""
+
+    def __init__(self, target: str, options: list[tuple[str, Any]]) -> None:
+        self.loop = _SharedLoop.get()
+
+        async def connect() -> shards_pb2_grpc.ShardsAsyncStub:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+            return shards_pb2_grpc.ShardsStub(self._channel)
+
+        self.stub = self.run(connect())
+        self.rendezvous: rendezvous_pb2_grpc.RendezvousAsyncStub = (
+            rendezvous_pb2_grpc.RendezvousStub(self._channel)
+        )
+
+    def run(self, coro: Coroutine[Any, Any, Resp]) -> Resp:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.run(self._channel.close())
+
+
+class LeaseSession:
+    """One consumer's long-lived LeaseStream: each request gets one response,
+    in order. Not thread-safe: one session per consumer thread.
+
+    A broken stream (master restart, network) is reopened and the request in
+    flight is sent again under the client's retry budget; that is safe because
+    the request is idempotent (its request id, round position, and DONE
+    reports). A dead connection is noticed by gRPC keepalive.
+    """
+
+    def __init__(self, client: MasterClient) -> None:
+        self._client = client
+        self._call: (
+            grpc.aio.StreamStreamCall[shards_pb2.LeaseRequest, shards_pb2.LeaseResponse] | None
+        ) = None
+
+    def lease(
+        self,
+        dataset: str,
+        *,
+        node_id: str,
+        rank: int,
+        done: Iterable[int] = (),
+        request_id: str | None = None,
+    ) -> shards_pb2.LeaseResponse:
+        return self.request(rank_lease_request(dataset, node_id, rank, done, request_id))
+
+    def lease_for_round(
+        self, dataset: str, *, round: int, position: int, done: Iterable[int] = ()
+    ) -> shards_pb2.LeaseResponse:
+        return self.request(round_lease_request(dataset, round, position, done))
+
+    def request(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
+        io = self._client._io()
+        response = self._client._with_retries(
+            "LeaseStream", lambda: io.run(self._exchange_within_deadline(io, request))
+        )
+        if response.WhichOneof("outcome") == "error":
+            raise error_from_code(response.error.code, response.error.message)
+        return response
+
+    async def _exchange_within_deadline(
+        self, io: _IoLoop, request: shards_pb2.LeaseRequest
+    ) -> shards_pb2.LeaseResponse:
+        """Every message has the client's deadline, like a unary call: a stream
+        that does not answer in time is dropped and the request retried."""
+        try:
+            return await asyncio.wait_for(self._exchange(io, request), self._client.timeout_s)
+        except asyncio.TimeoutError:
+            raise _StreamTimeout(self._client.timeout_s) from None
+
+    async def _exchange(
+        self, io: _IoLoop, request: shards_pb2.LeaseRequest
+    ) -> shards_pb2.LeaseResponse:
+        if self._call is None:
+            self._call = io.stub.LeaseStream(metadata=self._client._metadata)
+        call = self._call
+        try:
+            await call.write(request)
+            response = await call.read()
+        except asyncio.InvalidStateError:
+            # The stream had ended under us (the master went away between two
+            # requests): open a new one.
+            self._call = None
+            raise _StreamEnded() from None
+        except grpc.RpcError as error:
+            self._call = None
+            call.cancel()
+            if error.code() is grpc.StatusCode.INTERNAL:
+                # gRPC's core reports a transport that broke mid-stream as
+                # INTERNAL; our server never answers a lease with it.
+                raise _StreamEnded() from error
+            raise
+        except asyncio.CancelledError:
+            # A timed-out stream is never reused: its answers could be out of
+            # step with the requests.
+            self._call = None
+            call.cancel()
+            raise
+        if not isinstance(response, shards_pb2.LeaseResponse):  # grpc.aio.EOF
+            self._call = None
+            raise _StreamEnded()
+        return response
+
+    def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._client._io().loop.call_soon_threadsafe(call.cancel)
+
+    def __enter__(self) -> LeaseSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AgentSession:
+    """A node's session with the master, on the shared I/O loop.
+
+    Heartbeats go up every `heartbeat_interval_s` and tell the master the
+    agent is alive and not hung; events pushed by the master arrive on
+    `events`. If the stream breaks (master restart, network), it is reopened
+    with backoff; `broken` is set while it is down, and `closed_by_master`
+    when the master refused the session (this incarnation is no longer
+    registered).
+    """
+
+    def __init__(
+        self, client: MasterClient, node_id: str, incarnation: int, heartbeat_interval_s: float
+    ) -> None:
+        self._client = client
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.round = 0
+        self.events: queue.Queue[rendezvous_pb2.SessionEvent] = queue.Queue()
+        self.broken = threading.Event()
+        self.closed_by_master = threading.Event()
+        self._interval = heartbeat_interval_s
+        self._io = client._io()
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            call = self._io.rendezvous.Session(metadata=self._client._metadata)
+            beats = asyncio.ensure_future(self._beat(call))
+            try:
+                async for event in call:
+                    attempt = 0
+                    self.broken.clear()
+                    self.events.put(event)
+                return  # the master ended the session: it is shutting down
+            except grpc.RpcError as error:
+                if error.code() in _RETRYABLE:
+                    self.broken.set()
+                else:
+                    self.closed_by_master.set()
+                    _log.error("the master closed the session of %s: %s", self.node_id, error)
+                    return
+            finally:
+                beats.cancel()
+                call.cancel()
+            await asyncio.sleep(self._client.retry.backoff(attempt))
+            attempt += 1
+
+    async def _beat(
+        self, call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any]
+    ) -> None:
+        while True:
+            await call.write(
+                rendezvous_pb2.SessionMessage(
+                    node_id=self.node_id, incarnation=self.incarnation, round=self.round
+                )
+            )
+            await asyncio.sleep(self._interval)
+
+    def close(self) -> None:
+        """End the session (the master then treats the node as gone unless it
+        left first)."""
+        self._io.loop.call_soon_threadsafe(self._task.cancel)
+
+
+class _StreamTimeout(grpc.RpcError):
+    """No answer on the lease stream within the client's deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self._timeout_s = timeout_s
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return f"no answer on the lease stream within {self._timeout_s:g}s"
+
+
+class _StreamEnded(grpc.RpcError):
+    """The server closed the stream without an error (it is shutting down)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the master closed the lease stream"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite: lint, types, import contracts, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy --strict"
+.venv/bin/mypy
+echo "== import contracts"
+.venv/bin/python tools/lint_imports.py | grep -aE "KEPT|BROKEN|->|Contracts"
+echo "== pytest"
+.venv/bin/python -m pytest "$@"
