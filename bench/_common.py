@@ -1,0 +1,152 @@
+"""What every benchmark here needs: messages, free ports, server processes in
+their own process groups, drivers and their options. Standard library only."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not produce an honest figure; it says why."""
+
+
+def say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def kill_group(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
+    """Stop a process started with start_new_session=True, and whatever it
+    left behind in its process group."""
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, all its threads."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+def load_driver(prefix: str, name: str) -> Any:
+    """A bench driver module `bench/<prefix><name>.py`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(f"{prefix}{name}")
+
+
+def parse_options(items: list[str]) -> dict[str, str]:
+    """`--option KEY=VALUE` items as a dict."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option wants KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
+
+
+class ServerProcess:
+    """A server in its own process group, its output copied to a log file;
+    ready once it printed `ready_text` (if any) and its port accepts."""
+
+    def __init__(
+        self,
+        label: str,
+        argv: list[str],
+        log_path: Path,
+        ready_text: str | None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.label = label
+        self.log_path = log_path
+        self._ready_text = ready_text
+        self._seen_ready = threading.Event()
+        self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self.proc: subprocess.Popen[str] = subprocess.Popen(
+            argv,
+            cwd=log_path.parent,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if self._ready_text is not None and self._ready_text in line:
+                self._seen_ready.set()
+
+    def wait_ready(self, port: int, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._pump.join(timeout=5)
+                raise BenchError(f"{self.label} exited with {self.proc.returncode}; {self.tail()}")
+            if (self._ready_text is None or self._seen_ready.is_set()) and port_open(port):
+                return
+            time.sleep(0.05)
+        raise BenchError(f"{self.label} not ready after {timeout:.0f} s; {self.tail()}")
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.proc.pid)
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        return f"log {self.log_path}, last lines:\n" + "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        kill_group(self.proc)
+        self._pump.join(timeout=5)
+        self._log.close()

@@ -1,0 +1,1 @@
+"""The brain: job metrics in a database and resource plans for the master."""

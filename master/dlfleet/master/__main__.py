@@ -1,0 +1,141 @@
+"""`dlmaster`: run the master's gRPC server on a durable store.
+
+    dlmaster --port 50051 --state-store sqlite:///job.db --token-file token.txt
+
+Prints `listening on HOST:PORT` once it accepts requests. A master started
+again on the same store continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from dlfleet.api.errors import DlfleetError
+from dlfleet.master.core.liveness import LivenessSettings
+from dlfleet.master.core.rendezvous import RendezvousSettings
+from dlfleet.master.core.shards import ShardSettings
+from dlfleet.master.rpc import system_clock
+from dlfleet.master.server import MasterServer
+from dlfleet.master.state import MasterSettings, MasterState
+from dlfleet.master.store.sql import open_store
+
+TOKEN_ENV = "DLFLEET_TOKEN"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlmaster", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--state-store",
+        "--store",
+        dest="store",
+        default="sqlite:///dlfleet-master.db",
+        help="SQLAlchemy URL of the durable store (default sqlite:///dlfleet-master.db)",
+    )
+    p.add_argument("--job-name", default="job", help="nodes of other jobs are rejected")
+    p.add_argument("--token-file", type=Path, help="file holding the job token")
+    p.add_argument("--token", help=f"the job token (prefer --token-file or ${TOKEN_ENV})")
+    p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds (default 30)")
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=5.0, help="agents beat every N s (default 5)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="a node silent this long is dropped, seconds (default 30)",
+    )
+    p.add_argument("--min-nodes", type=int, default=1, help="smallest world (default 1)")
+    p.add_argument("--max-nodes", type=int, default=None, help="largest world (default min)")
+    p.add_argument("--node-unit", type=int, default=1, help="world size is a multiple of this")
+    p.add_argument(
+        "--last-call-timeout",
+        type=float,
+        default=3.0,
+        help="seconds to wait for more nodes once min-nodes joined (default 3)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a node waits for a round to form before giving up (default 600)",
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if args.token_file is not None:
+        try:
+            token = str(args.token_file.read_text()).strip()
+        except OSError as exc:
+            parser.error(f"--token-file {args.token_file}: {exc.strerror}")
+    else:
+        token = str(args.token or os.environ.get(TOKEN_ENV, ""))
+    if not token:
+        parser.error(f"no job token: pass --token-file, --token, or set ${TOKEN_ENV}")
+    return token
+
+
+async def _serve(args: argparse.Namespace, token: str) -> None:
+    settings = MasterSettings(
+        job_name=args.job_name,
+        shard=ShardSettings(lease_timeout_ms=int(args.lease_timeout * 1000)),
+        liveness=LivenessSettings(
+            heartbeat_interval_ms=int(args.heartbeat_interval * 1000),
+            heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000),
+        ),
+        rendezvous=args.rendezvous,
+    )
+    store = open_store(args.store)
+    state = MasterState.recover(store, settings, system_clock())
+    server = MasterServer(state, token=token, host=args.host, port=args.port)
+    port = await server.start()
+    print(f"dlmaster: listening on {args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    state.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    if min(args.lease_timeout, args.heartbeat_interval, args.heartbeat_timeout) <= 0:
+        parser.error("--lease-timeout, --heartbeat-interval and --heartbeat-timeout must be > 0")
+    if args.heartbeat_timeout <= args.heartbeat_interval:
+        parser.error("--heartbeat-timeout must be longer than --heartbeat-interval")
+    try:
+        args.rendezvous = RendezvousSettings(
+            min_nodes=args.min_nodes,
+            max_nodes=args.max_nodes if args.max_nodes is not None else args.min_nodes,
+            node_unit=args.node_unit,
+            last_call_timeout_ms=int(args.last_call_timeout * 1000),
+            join_timeout_ms=int(args.join_timeout * 1000),
+        )
+    except DlfleetError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    token = _token(args, parser)
+    try:
+        asyncio.run(_serve(args, token))
+    except DlfleetError as exc:
+        print(f"dlmaster: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Membership: ties node liveness, the rendezvous and the shard book together
+on the master's event loop.
+
+What one core decides, the others must hear: a round that forms makes the
+shard book serve that round (older rounds' leases are released); a node that
+dies or leaves is dropped from the rendezvous (closing its round) and loses its
+leases; a round that closes is pushed at once to its members' sessions, so they
+re-rendezvous instead of waiting in a collective. Everything is persisted
+before anyone is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from dlfleet.api.v1 import rendezvous_pb2
+from dlfleet.master.core.events import Event
+from dlfleet.master.core.rendezvous import (
+    NodeJoined,
+    RendezvousEvent,
+    RoundClosed,
+    RoundFormed,
+    describe,
+)
+from dlfleet.master.state import MasterState
+
+_log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(
+        self,
+        state: MasterState,
+        clock: Callable[[], int],
+        durable: Callable[[Future[int]], asyncio.Future[int]],
+    ) -> None:
+        self.state = state
+        self.clock = clock
+        self._durable = durable
+        self.changed = asyncio.Condition()
+        self.sessions: dict[str, asyncio.Queue[rendezvous_pb2.SessionEvent]] = {}
+        self._timer_kick = asyncio.Event()
+        # Set while the master shuts down: sessions ending then are not deaths.
+        self.stopping = False
+
+    async def apply(self, events: list[RendezvousEvent]) -> None:
+        """Persist rendezvous events and carry out what follows from them."""
+        if not events:
+            return
+        shard_events: list[Event] = []
+        for event in events:
+            if isinstance(event, RoundFormed):
+                shard_events += self.state.book.begin_round(event.round)
+        await self._durable(self.state.persist_rendezvous(events, shard_events))
+        for event in events:
+            if isinstance(event, RoundFormed):
+                round_ = self.state.rendezvous.state.active
+                _log.info("round %d formed: %s", event.round, describe(round_) if round_ else "")
+            elif isinstance(event, RoundClosed):
+                _log.info("round %d closed: %s", event.round, event.reason)
+                push = rendezvous_pb2.SessionEvent(
+                    re_rendezvous=rendezvous_pb2.ReRendezvous(
+                        closed_round=event.round, reason=event.reason
+                    )
+                )
+                for node_id in event.expected:
+                    queue = self.sessions.get(node_id)
+                    if queue is not None:
+                        queue.put_nowait(push)
+        # Waiting joiners care about formed rounds and dropped nodes only: a
+        # mere join must not wake every other joiner (n joins would cost n^2).
+        if any(not isinstance(event, NodeJoined) for event in events):
+            async with self.changed:
+                self.changed.notify_all()
+        self._timer_kick.set()
+
+    async def node_lost(self, node_id: str, reason: str) -> None:
+        """A node died, left, or was replaced by a newer incarnation."""
+        name = node_id.rpartition("#")[0]
+        record = self.state.nodes.nodes.get(name)
+        if record is not None and record.node_id == node_id:
+            self.state.nodes.forget(name)
+            await self._durable(self.state.persist_node(record, gone=True))
+        await self._durable(self.state.persist(self.state.book.release_node(node_id)))
+        await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()))
+
+    async def run_timer(self) -> None:
+        """Form rounds exactly when their last call ends, without polling."""
+        while True:
+            deadline = self.state.rendezvous.next_deadline()
+            self._timer_kick.clear()
+            timeout = None if deadline is None else max(0, deadline - self.clock()) / 1000
+            try:
+                await asyncio.wait_for(self._timer_kick.wait(), timeout)
+            except asyncio.TimeoutError:
+                await self.apply(self.state.rendezvous.tick(self.clock()))

@@ -1,0 +1,174 @@
+"""The Rendezvous gRPC service: Join (blocks until the node's round forms),
+the agent Session (heartbeats up, re-rendezvous pushes down; a broken session
+is a dead agent), Leave, ReportFailure, and GetState for torchrun's handler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
+from dlfleet.api.status import status_of
+from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+from dlfleet.master.core.rendezvous import Round
+from dlfleet.master.membership import Membership
+from dlfleet.master.rpc import Clock, Durable, rpc
+from dlfleet.master.state import MasterState
+
+_log = logging.getLogger(__name__)
+
+FAILURES_KEPT = 100
+
+
+class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
+    def __init__(
+        self, state: MasterState, clock: Clock, durable: Durable, membership: Membership
+    ) -> None:
+        self.state = state
+        self.clock = clock
+        self.durable = durable
+        self.membership = membership
+        self.failures: deque[rendezvous_pb2.FailureReport] = deque(maxlen=FAILURES_KEPT)
+
+    @rpc
+    async def Join(
+        self, request: rendezvous_pb2.JoinRequest, context: Any
+    ) -> rendezvous_pb2.JoinResponse:
+        node_id = request.node_id
+        self.state.nodes.live(node_id, request.incarnation)
+        rdzv = self.state.rendezvous
+        events = rdzv.join(
+            node_id, request.local_world_size, request.host, request.bootstrap_port, self.clock()
+        )
+        await self.membership.apply(events)
+        async with self.membership.changed:
+            while True:
+                round_ = rdzv.assignment(node_id)
+                if round_ is not None:
+                    return _join_response(round_, node_id)
+                if node_id not in rdzv.state.waiting:
+                    why = rdzv.state.dropped.get(node_id, "it left the rendezvous")
+                    raise StaleError(f"join of {node_id} failed: {why}")
+                await self.membership.changed.wait()
+
+    async def Session(
+        self, request_iterator: AsyncIterator[rendezvous_pb2.SessionMessage], context: Any
+    ) -> AsyncIterator[rendezvous_pb2.SessionEvent]:
+        """Opened by the agent before it joins; lives as long as the agent."""
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        node_id, incarnation = first.node_id, first.incarnation
+        try:
+            self.state.nodes.live(node_id, incarnation)
+        except DlfleetError as error:
+            await context.abort(status_of(error), str(error))
+        queue: asyncio.Queue[rendezvous_pb2.SessionEvent] = asyncio.Queue()
+        self.membership.sessions[node_id] = queue
+        reader = asyncio.create_task(self._read_heartbeats(request_iterator, node_id, incarnation))
+        try:
+            while True:
+                getter = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                return
+        finally:
+            reader.cancel()
+            if self.membership.sessions.get(node_id) is queue:
+                del self.membership.sessions[node_id]
+            await self._session_ended(node_id, incarnation)
+
+    async def _read_heartbeats(
+        self,
+        messages: AsyncIterator[rendezvous_pb2.SessionMessage],
+        node_id: str,
+        incarnation: int,
+    ) -> None:
+        with contextlib.suppress(Exception):  # the stream broke: the session is over
+            async for _ in messages:
+                self.state.nodes.heartbeat(node_id, incarnation, self.clock())
+
+    async def _session_ended(self, node_id: str, incarnation: int) -> None:
+        """A session that ends while its node is live means the agent died
+        (or its link did): its round closes now, not after a timeout."""
+        if self.membership.stopping:
+            return  # the master is going down, not the agent
+        try:
+            self.state.nodes.live(node_id, incarnation)
+        except StaleError:
+            return  # it left cleanly, or a newer incarnation took over
+        _log.warning("node %s lost its session: dropping it", node_id)
+        await asyncio.shield(self.membership.node_lost(node_id, "lost its session"))
+
+    @rpc
+    async def Leave(
+        self, request: rendezvous_pb2.LeaveRequest, context: Any
+    ) -> rendezvous_pb2.LeaveResponse:
+        record = self.state.nodes.live(request.node_id, request.incarnation)
+        reason = request.reason or "left"
+        if reason == "succeeded":
+            # Its workers are done: it leaves without disturbing the others,
+            # who may still be finishing their last steps.
+            self.state.nodes.forget(record.name)
+            await self.durable.wait(self.state.persist_node(record, gone=True))
+            await self.membership.apply(self.state.rendezvous.remove(
+                record.node_id, reason, self.clock(), close_round=False
+            ))  # fmt: skip
+        else:
+            await self.membership.node_lost(record.node_id, reason)
+        return rendezvous_pb2.LeaveResponse()
+
+    @rpc
+    async def ReportFailure(
+        self, request: rendezvous_pb2.FailureReport, context: Any
+    ) -> rendezvous_pb2.ReportFailureResponse:
+        self.state.nodes.live(request.node_id, request.incarnation)
+        if request.round:
+            self.state.rendezvous.check_member(request.node_id, request.round)
+        if request.local_rank < 0:
+            raise InvalidArgument(f"local_rank must be >= 0, got {request.local_rank}")
+        self.failures.append(request)
+        _log.error(
+            "worker failed on %s (round %d, local rank %d, exit %d%s): %s",
+            request.node_id,
+            request.round,
+            request.local_rank,
+            request.exit_code,
+            f", {request.signal}" if request.signal else "",
+            request.message.strip().splitlines()[-1] if request.message.strip() else "",
+        )
+        return rendezvous_pb2.ReportFailureResponse()
+
+    @rpc
+    async def GetState(
+        self, request: rendezvous_pb2.RendezvousStateRequest, context: Any
+    ) -> rendezvous_pb2.RendezvousStateResponse:
+        state = self.state.rendezvous.state
+        active = state.active
+        return rendezvous_pb2.RendezvousStateResponse(
+            round=active.round if active else 0,
+            num_nodes_waiting=len(state.waiting),
+            members=[m.node_id for m in active.members] if active else [],
+            last_round=state.last_round,
+        )
+
+
+def _join_response(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
+    member = round_.member(node_id)
+    assert member is not None
+    return rendezvous_pb2.JoinResponse(
+        round=round_.round,
+        group_rank=member.group_rank,
+        group_world_size=round_.world_size,
+        local_world_sizes=list(round_.local_world_sizes()),
+        bootstrap_host=round_.bootstrap_host,
+        bootstrap_port=round_.bootstrap_port,
+        node_ids=[m.node_id for m in round_.members],
+    )

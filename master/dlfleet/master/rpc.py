@@ -1,0 +1,83 @@
+"""Plumbing shared by the master's gRPC services: the clock, the bridge from
+the group committer's futures to the event loop, and the one place where
+domain errors become status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from dlfleet.api.errors import DlfleetError
+from dlfleet.api.status import status_of
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class Clock(Protocol):
+    def __call__(self) -> int:
+        """Milliseconds since the Unix epoch."""
+
+
+def system_clock() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Durable:
+    """Turns the group committer's thread futures into asyncio futures, with one
+    loop wake-up per committed batch rather than one per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list[tuple[asyncio.Future[int], Future[int]]] = []
+        self._scheduled = False
+
+    def wait(self, future: Future[int]) -> asyncio.Future[int]:
+        waiter: asyncio.Future[int] = self._loop.create_future()
+        future.add_done_callback(lambda done: self._push(waiter, done))
+        return waiter
+
+    def _push(self, waiter: asyncio.Future[int], done: Future[int]) -> None:
+        with self._lock:
+            self._ready.append((waiter, done))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+            self._scheduled = False
+        for waiter, done in ready:
+            if waiter.cancelled():
+                continue
+            error = done.exception()
+            if error is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(done.result())
+
+
+def rpc(
+    handler: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
+    """Map domain errors to status codes: the handlers raise, this answers."""
+
+    async def wrapper(
+        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> Resp:
+        try:
+            return await handler(self, request, context)
+        except DlfleetError as error:
+            await context.abort(status_of(error), str(error))
+
+    wrapper.__name__ = handler.__name__
+    return wrapper

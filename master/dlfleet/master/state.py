@@ -1,0 +1,185 @@
+"""The master's state: the pure cores plus their durable journal.
+
+`MasterState` owns the shard book and the node table, persists the events every
+operation returns through a group committer, and rebuilds both from the store
+when a master starts again. Journal streams: "dataset/<name>" holds shard
+events and, every `compact_every` events, a full checkpoint of the dataset (the
+store then drops the entries before it); "nodes" holds registrations;
+"rendezvous" holds joins and rounds.
+
+Recovery = per stream: latest checkpoint, then every later entry, applied in
+order with the same `apply` the live master used. Afterwards every live lease
+and node gets a fresh timeout, so the master's own downtime expires nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlfleet.master.core.codec import dump_dataset, load_dataset
+from dlfleet.master.core.events import EVENT_TYPES, Event
+from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
+from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, RendezvousSettings
+from dlfleet.master.core.shards import ShardBook, ShardSettings
+from dlfleet.master.store.base import StateStore, StoreError
+from dlfleet.master.store.groupcommit import GroupCommitter
+
+_log = logging.getLogger(__name__)
+
+NODES_STREAM = "nodes"
+RENDEZVOUS_STREAM = "rendezvous"
+DATASET_PREFIX = "dataset/"
+CHECKPOINT = "DatasetCheckpoint"
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    job_name: str = "job"
+    shard: ShardSettings = field(default_factory=ShardSettings)
+    liveness: LivenessSettings = field(default_factory=LivenessSettings)
+    rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
+    compact_every: int = 20_000
+
+
+class MasterState:
+    def __init__(self, store: StateStore, settings: MasterSettings) -> None:
+        self.settings = settings
+        self.book = ShardBook(settings.shard)
+        self.nodes = NodeTable(settings.liveness)
+        self.rendezvous = Rendezvous(settings.rendezvous)
+        self._store = store
+        self._committer = GroupCommitter(store)
+        self._since_checkpoint: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ recovery
+
+    @classmethod
+    def recover(cls, store: StateStore, settings: MasterSettings, now_ms: int) -> MasterState:
+        state = cls(store, settings)
+        streams = store.load()
+        for stream, stored in sorted(streams.items()):
+            payloads = [stored.checkpoint.payload] if stored.checkpoint else []
+            payloads += [entry.payload for entry in stored.entries]
+            for payload in payloads:
+                state._replay(stream, json.loads(payload))
+            state._since_checkpoint[stream] = len(stored.entries)
+        for record in state.nodes.nodes.values():
+            record.last_seen_ms = now_ms
+        rearmed = state.book.rearm(now_ms)
+        if rearmed:
+            state.persist(rearmed).result()
+        if streams:
+            _log.info(
+                "recovered %d datasets and %d nodes from the store",
+                len(state.book.datasets),
+                len(state.nodes.nodes),
+            )
+        return state
+
+    def _replay(self, stream: str, data: dict[str, Any]) -> None:
+        kind = data.get("t")
+        if stream == RENDEZVOUS_STREAM:
+            self.rendezvous.apply(RendezvousEvent.from_json(json.dumps(data)))
+            return
+        if stream == NODES_STREAM:
+            if kind == "node":
+                self.nodes.restore(
+                    data["name"], data["incarnation"], data["local_world_size"], data["host"], 0
+                )
+            elif kind == "node_gone":
+                record = self.nodes.nodes.get(data["name"])
+                if record is not None and record.incarnation == data["incarnation"]:
+                    self.nodes.forget(data["name"])
+            return
+        if kind == CHECKPOINT:
+            self.book.install(load_dataset(data["state"]))
+        elif kind in EVENT_TYPES:
+            self.book.apply(Event.from_json(json.dumps(data)))
+        else:
+            raise StoreError(f"unknown journal entry {kind!r} in stream {stream!r}")
+
+    # ------------------------------------------------------------ persistence
+
+    def persist(self, events: Sequence[Event]) -> Future[int]:
+        """Queue `events` (already applied) for a durable write. An empty list
+        still waits for everything queued before it: an answer read from state
+        that is not yet durable must not leave before that state is."""
+        entries: list[tuple[str, str]] = []
+        for event in events:
+            stream = DATASET_PREFIX + event.dataset
+            entries.append((stream, event.to_json()))
+            self._since_checkpoint[stream] += 1
+        future = self._committer.submit(entries)
+        for stream, payload in self._due_checkpoints(entries):
+            # Its own submission, so that the future's seq is the checkpoint's.
+            self._committer.submit([(stream, payload)]).add_done_callback(
+                self._compactor(stream, payload)
+            )
+        return future
+
+    def persist_rendezvous(
+        self, events: Sequence[RendezvousEvent], shard_events: Sequence[Event] = ()
+    ) -> Future[int]:
+        """Rendezvous events and the shard events they caused, in one write."""
+        entries = [(RENDEZVOUS_STREAM, e.to_json()) for e in events]
+        for event in shard_events:
+            stream = DATASET_PREFIX + event.dataset
+            entries.append((stream, event.to_json()))
+            self._since_checkpoint[stream] += 1
+        return self._committer.submit(entries)
+
+    def persist_node(self, record: NodeRecord, gone: bool = False) -> Future[int]:
+        data = {
+            "t": "node_gone" if gone else "node",
+            "name": record.name,
+            "incarnation": record.incarnation,
+            "local_world_size": record.local_world_size,
+            "host": record.host,
+        }
+        return self._committer.submit([(NODES_STREAM, json.dumps(data))])
+
+    def _due_checkpoints(self, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """A full checkpoint entry for each stream of `entries` that is due one."""
+        due: list[tuple[str, str]] = []
+        for stream in {stream for stream, _ in entries}:
+            if self._since_checkpoint[stream] < self.settings.compact_every:
+                continue
+            name = stream.removeprefix(DATASET_PREFIX)
+            payload = json.dumps(
+                {"t": CHECKPOINT, "state": dump_dataset(self.book.datasets[name])},
+                separators=(",", ":"),
+            )
+            due.append((stream, payload))
+            self._since_checkpoint[stream] = 0
+        return due
+
+    def _compactor(self, stream: str, payload: str) -> Callable[[Future[int]], None]:
+        """Runs on the writer thread once the checkpoint entry is durable (the
+        last entry of its submission): move it to the checkpoint table and drop
+        the stream's older entries."""
+
+        def compact(future: Future[int]) -> None:
+            if future.exception() is not None:
+                return
+            try:
+                self._store.checkpoint(stream, payload, future.result())
+            except StoreError as exc:
+                # Harmless: the checkpoint entry stays in the journal and the
+                # next compaction tries again.
+                _log.warning("compacting %s failed: %s", stream, exc)
+
+        return compact
+
+    @property
+    def committer(self) -> GroupCommitter:
+        return self._committer
+
+    def close(self) -> None:
+        self._committer.close()
+        self._store.close()

@@ -1,0 +1,129 @@
+"""Conversions between the wire messages (dlfleet.api.v1) and the core's values.
+
+Kept apart from the servicers so that the handlers read as "decode, decide,
+persist, encode", and so that the one place that knows both vocabularies is
+small.
+"""
+
+from __future__ import annotations
+
+from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.master.core.datasets import DatasetConfig
+from dlfleet.master.core.shards import (
+    Answer,
+    Consumer,
+    DatasetStatusView,
+    FailedRange,
+    LeaseOutcome,
+    RankConsumer,
+    RoundConsumer,
+    Snapshot,
+)
+
+
+def config_from_spec(spec: shards_pb2.DatasetSpec) -> DatasetConfig:
+    return DatasetConfig.create(
+        name=spec.name,
+        size=spec.size,
+        batch_size=spec.batch_size,
+        shard_size=spec.shard_size,
+        epochs=spec.epochs,
+        shuffle=spec.shuffle,
+        seed=spec.seed,
+        drop_last=spec.drop_last,
+        max_shard_failures=spec.max_shard_failures,
+    )
+
+
+def spec_from_config(config: DatasetConfig) -> shards_pb2.DatasetSpec:
+    return shards_pb2.DatasetSpec(
+        name=config.name,
+        size=config.size,
+        batch_size=config.batch_size,
+        shard_size=config.shard_size,
+        epochs=config.epochs,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+        max_shard_failures=config.max_shard_failures,
+    )
+
+
+def consumer_from_request(request: shards_pb2.LeaseRequest) -> Consumer:
+    which = request.WhichOneof("consumer")
+    if which == "rank":
+        return RankConsumer(request.rank.node_id, request.rank.rank)
+    if which == "round":
+        return RoundConsumer(request.round.round, request.round.position)
+    raise InvalidArgument("lease request names no consumer: set `rank` or `round`")
+
+
+def lease_response(outcome: LeaseOutcome) -> shards_pb2.LeaseResponse:
+    if outcome.answer is Answer.SHARD:
+        shard = outcome.shard
+        assert shard is not None
+        return shards_pb2.LeaseResponse(
+            shard=shards_pb2.Shard(
+                dataset=shard.dataset,
+                epoch=shard.epoch,
+                start=shard.start,
+                end=shard.end,
+                lease_id=shard.lease_id,
+                deadline_unix_ms=shard.deadline_ms,
+                round=shard.round,
+            )
+        )
+    if outcome.answer is Answer.END_OF_EPOCH:
+        return shards_pb2.LeaseResponse(end_of_epoch=shards_pb2.EndOfEpoch(epoch=outcome.epoch))
+    if outcome.answer is Answer.END_OF_DATASET:
+        return shards_pb2.LeaseResponse(end_of_dataset=shards_pb2.EndOfDataset())
+    return shards_pb2.LeaseResponse(wait=shards_pb2.Wait(retry_after_ms=outcome.retry_after_ms))
+
+
+def failed_to_wire(failed: FailedRange) -> shards_pb2.FailedShard:
+    return shards_pb2.FailedShard(
+        epoch=failed.epoch,
+        range=shards_pb2.Range(start=failed.start, end=failed.end),
+        failures=failed.failures,
+        last_reason=failed.reason,
+    )
+
+
+def snapshot_to_wire(snap: Snapshot) -> shards_pb2.DatasetSnapshot:
+    return shards_pb2.DatasetSnapshot(
+        dataset=snap.dataset,
+        spec_digest=snap.spec_digest,
+        epoch=snap.epoch,
+        done=[shards_pb2.Range(start=s, end=e) for s, e in snap.done],
+        failed=[failed_to_wire(f) for f in snap.failed],
+        finished=snap.finished,
+    )
+
+
+def snapshot_from_wire(msg: shards_pb2.DatasetSnapshot) -> Snapshot:
+    return Snapshot(
+        dataset=msg.dataset,
+        spec_digest=msg.spec_digest,
+        epoch=msg.epoch,
+        done=tuple((r.start, r.end) for r in msg.done),
+        failed=tuple(
+            FailedRange(f.epoch, f.range.start, f.range.end, f.failures, f.last_reason)
+            for f in msg.failed
+        ),
+        finished=msg.finished,
+    )
+
+
+def status_to_wire(view: DatasetStatusView) -> shards_pb2.DatasetStatus:
+    return shards_pb2.DatasetStatus(
+        spec=spec_from_config(view.config),
+        epoch=view.epoch,
+        finished=view.finished,
+        records_per_epoch=view.records_per_epoch,
+        records_done=view.records_done,
+        records_doing=view.records_doing,
+        records_todo=view.records_todo,
+        leases_active=view.leases_active,
+        failed=[failed_to_wire(f) for f in view.failed],
+    )

@@ -1,0 +1,267 @@
+"""`dlworker` end to end: real agents, real worker processes, real gloo
+process groups, a real `dlmaster`; the scenarios torch tests its own agent with,
+plus preemption and an unreachable master."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import MasterProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "allreduce_steps.py"
+TOKEN = "test-token"
+
+
+class Workers:
+    """The training outputs of a run, read back from OUT_DIR."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def steps(self, round_: int | str, rank: int) -> list[dict[str, float]]:
+        path = self.out / f"steps-r{round_}-g{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def env(self, round_: int, rank: int) -> dict[str, str]:
+        data: dict[str, str] = json.loads((self.out / f"env-r{round_}-g{rank}.json").read_text())
+        return data
+
+    def wait_for_steps(self, round_: int, rank: int, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.steps(round_, rank)) < count:
+            assert time.monotonic() < deadline, f"rank {rank} of round {round_} made no progress"
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def job(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> Iterator[Callable[..., tuple[MasterProcess, Callable[..., subprocess.Popen[str]], Workers]]]:
+    agents: list[subprocess.Popen[str]] = []
+
+    def start(
+        min_nodes: int, max_nodes: int, *master_flags: str
+    ) -> tuple[MasterProcess, Callable[..., subprocess.Popen[str]], Workers]:
+        store = f"sqlite:///{tmp_path / 'master.db'}"
+        flags: tuple[str, ...] = ("--min-nodes", str(min_nodes), "--max-nodes", str(max_nodes))
+        flags += ("--last-call-timeout", "0.3", *master_flags)
+        master = master_process(store, *flags)
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+
+        def agent(
+            name: str,
+            *,
+            steps: int = 5,
+            pause: float = 0.05,
+            nproc: int = 1,
+            max_restarts: int = 0,
+            env: dict[str, str] | None = None,
+        ) -> subprocess.Popen[str]:
+            argv = [
+                sys.executable, "-m", "dlfleet.worker.agent.loop",
+                "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", str(nproc),
+                "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+                "--master", master.address, "--node-name", name,
+                "--log-dir", str(tmp_path / "logs" / name),
+                str(SCRIPT), str(out), str(steps), str(pause),
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                env={**os.environ, "DLFLEET_TOKEN": TOKEN, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            agents.append(proc)
+            return proc
+
+        return master, agent, Workers(out)
+
+    yield start
+    for proc in agents:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def test_two_agents_train_together_with_every_torchrun_variable_set(
+    job: Callable[..., Any],
+) -> None:
+    master, agent, workers = job(2, 2)
+    a, b = agent("a", nproc=1), agent("b", nproc=2)
+    for proc in (a, b):
+        code, out = finish(proc)
+        assert code == 0, out
+    assert [s["sum"] for s in workers.steps(1, 0)] == [3.0] * 5
+    envs = [workers.env(1, rank) for rank in range(3)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"}
+    # Whichever node joined first leads; global rank = offset of its group + local rank.
+    sizes = {"a#1": 1, "b#1": 2}
+    leader = envs[0]["DLFLEET_NODE_ID"]
+    offsets = {leader: 0, ({"a#1", "b#1"} - {leader}).pop(): sizes[leader]}
+    for env in envs:
+        node = env["DLFLEET_NODE_ID"]
+        assert int(env["RANK"]) == offsets[node] + int(env["LOCAL_RANK"])
+        assert env["LOCAL_WORLD_SIZE"] == str(sizes[node])
+        assert env["GROUP_RANK"] == ("0" if node == leader else "1")
+    for env in envs:
+        assert env["GROUP_WORLD_SIZE"] == "2" and env["ROLE_WORLD_SIZE"] == "3"
+        assert env["ROLE_RANK"] == env["RANK"] and env["ROLE_NAME"] == "default"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] == "none"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
+        assert env["DLFLEET_MASTER"] == master.address and env["DLFLEET_ROUND"] == "1"
+        assert env["DLFLEET_NODE_ID"] in ("a#1", "b#1")
+
+
+def test_a_killed_agent_restarted_rejoins_and_both_finish(job: Callable[..., Any]) -> None:
+    _, agent, workers = job(2, 2)
+    a = agent("a", steps=40, pause=0.05)
+    b = agent("b", steps=40, pause=0.05)
+    workers.wait_for_steps(1, 1, 3)
+    b.kill()  # the agent dies; its worker dies with it, A's is stopped by the push
+    b.wait()
+    b2 = agent("b", steps=40, pause=0.05)
+    for proc in (a, b2):
+        code, out = finish(proc)
+        assert code == 0, out
+    assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 40
+    assert [s["sum"] for s in workers.steps(2, 1)] == [2.0] * 40
+
+
+def test_the_survivor_of_a_dead_node_reforms_alone_without_waiting_for_a_timeout(
+    job: Callable[..., Any],
+) -> None:
+    _, agent, workers = job(1, 2, "--heartbeat-timeout", "60")
+    a = agent("a", steps=30, pause=0.05)
+    b = agent("b", steps=30, pause=0.05)
+    workers.wait_for_steps(1, 0, 3)
+    killed = time.monotonic()
+    b.kill()
+    workers.wait_for_steps(2, 0, 1, timeout=30)
+    assert time.monotonic() - killed < 15, "re-formed by the push, not a 60 s timeout"
+    code, out = finish(a)
+    assert code == 0, out
+    assert [s["sum"] for s in workers.steps(2, 0)] == [1.0] * 30
+
+
+def test_a_rank_that_fails_once_recovers_within_max_restarts(job: Callable[..., Any]) -> None:
+    _, agent, workers = job(1, 1)
+    a = agent("a", nproc=2, max_restarts=3, env={"FAIL_MODE": "once"})
+    code, out = finish(a)
+    assert code == 0, out
+    assert "restart 1 of 3" in out
+    assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 5
+    assert workers.env(2, 1)["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+def test_a_rank_that_always_fails_exhausts_restarts_with_the_root_cause(
+    job: Callable[..., Any],
+) -> None:
+    _, agent, _ = job(1, 1)
+    a = agent("a", nproc=2, max_restarts=2, env={"FAIL_MODE": "always"})
+    code, out = finish(a)
+    assert code == 1
+    assert "restart 2 of 2" in out
+    assert "local rank 0 on a#1" in out and "rank 0 always fails" in out
+
+
+def test_scale_up_from_one_node_to_two_mid_run(job: Callable[..., Any]) -> None:
+    _, agent, workers = job(1, 2)
+    a = agent("a", steps=40, pause=0.05)
+    workers.wait_for_steps(1, 0, 3)
+    assert {s["world"] for s in workers.steps(1, 0)} == {1}
+    b = agent("b", steps=40, pause=0.05)
+    for proc in (a, b):
+        code, out = finish(proc)
+        assert code == 0, out
+    assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 40
+    assert [s["sum"] for s in workers.steps(2, 1)] == [2.0] * 40
+
+
+def test_a_preempted_agent_exits_zero_and_the_others_reform_at_once(
+    job: Callable[..., Any],
+) -> None:
+    _, agent, workers = job(1, 2, "--heartbeat-timeout", "60")
+    a = agent("a", steps=30, pause=0.05)
+    b = agent("b", steps=30, pause=0.05)
+    workers.wait_for_steps(1, 1, 3)
+    preempted = time.monotonic()
+    b.send_signal(signal.SIGTERM)
+    code, out = finish(b, timeout=30)
+    assert code == 0, out
+    workers.wait_for_steps(2, 0, 1, timeout=30)
+    assert time.monotonic() - preempted < 15
+    code, out = finish(a)
+    assert code == 0, out
+
+
+def test_an_unreachable_master_ends_in_a_clear_error(tmp_path: Path) -> None:
+    argv = [
+        sys.executable, "-m", "dlfleet.worker.agent.loop", "--master", "127.0.0.1:1",
+        str(SCRIPT), str(tmp_path), "1", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "DLFLEET_CONNECT_BUDGET": "2"}
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert "cannot register with the master at 127.0.0.1:1" in done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "dlfleet.worker.agent.loop", "--nnodes", "3:2", "x.py"]
+    env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "DLFLEET_MASTER": "127.0.0.1:5"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--nnodes" in done.stderr
+
+
+def test_stock_torchrun_forms_its_world_through_the_master(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> None:
+    master = master_process(
+        f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2",
+        "--last-call-timeout", "0.3",
+    )  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    argv = [
+        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "dlfleet", "--rdzv-endpoint", master.address, "--rdzv-id", "job",
+        "--monitor-interval", "0.1", str(SCRIPT), str(out), "5", "0.05",
+    ]  # fmt: skip
+    env = {**os.environ, "DLFLEET_TOKEN": TOKEN}
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        code, log = finish(proc)
+        assert code == 0, log
+    workers = Workers(out)
+    for rank in (0, 1):
+        assert [s["sum"] for s in workers.steps("t0", rank)] == [2.0] * 5

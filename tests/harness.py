@@ -1,0 +1,164 @@
+"""Test support: real masters (in-process on an asyncio loop thread, or as a
+`dlmaster` subprocess that tests can SIGKILL) and access to the PostgreSQL on
+127.0.0.1:5432."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+POSTGRES_URL = os.environ.get(
+    "DLFLEET_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def postgres_available() -> bool:
+    try:
+        import psycopg
+
+        with psycopg.connect(
+            POSTGRES_URL.replace("postgresql+psycopg", "postgresql"), connect_timeout=3
+        ):
+            return True
+    except Exception:  # noqa: BLE001 - any failure means "not reachable"
+        return False
+
+
+def require_postgres() -> None:
+    """Skip where PostgreSQL is absent, but never in CI: there it must run."""
+    if not postgres_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL is required in CI and unreachable at {POSTGRES_URL}")
+        pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL}")
+
+
+@dataclass
+class MasterProcess:
+    """`dlmaster` as a real subprocess, so that tests can SIGKILL it."""
+
+    store: str
+    token: str
+    extra: tuple[str, ...] = ()
+    port: int = 0
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 30) -> MasterProcess:
+        args = [sys.executable, "-m", "dlfleet.master", "--port", str(self.port)]
+        args += ["--store", self.store, "--log-level", "WARNING", *self.extra]
+        env = {**os.environ, "DLFLEET_TOKEN": self.token}
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            match = re.search(r"listening on [\d.]+:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self
+        self.kill()
+        raise RuntimeError(f"dlmaster did not start: {self.proc.stdout.read()}")
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for _ in self.proc.stdout:
+            pass
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        self.proc.terminate()
+        return self.proc.wait(10)
+
+
+class LoopThread:
+    """An asyncio loop on a thread, for running a MasterServer in-process."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        async def cancel_the_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_the_rest())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+TOKEN = "test-token"
+
+
+@dataclass
+class Running:
+    """An in-process master on a LoopThread, and a client to it."""
+
+    server: Any  # dlfleet.master.server.MasterServer
+    state: Any  # dlfleet.master.state.MasterState
+    client: Any  # dlfleet.api.client.MasterClient
+    stopped: bool = field(default=False)
+
+    @property
+    def address(self) -> str:
+        return str(self.client.target)
+
+
+def start_in_process(
+    loop_thread: LoopThread, store_url: str, settings: Any, port: int = 0
+) -> Running:
+    from dlfleet.api.client import MasterClient
+    from dlfleet.master.rpc import system_clock
+    from dlfleet.master.server import MasterServer
+    from dlfleet.master.state import MasterState
+    from dlfleet.master.store.sql import open_store
+
+    state = MasterState.recover(open_store(store_url), settings, system_clock())
+    server = MasterServer(state, token=TOKEN, port=port, tick_ms=50)
+    bound = loop_thread.run(server.start())
+    client = MasterClient(f"127.0.0.1:{bound}", token=TOKEN, timeout_s=5)
+    return Running(server, state, client)
+
+
+def stop_in_process(loop_thread: LoopThread, running: Running) -> None:
+    if running.stopped:
+        return
+    running.stopped = True
+    running.client.close()
+    loop_thread.run(running.server.stop(0))
+    running.state.close()
+
+
+StartMaster = Callable[..., Running]

@@ -1,0 +1,201 @@
+"""ShardedDataLoader against a real in-process master (world size 1, and
+several ranks as threads of one process)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from harness import TOKEN, Running
+from torch.utils.data import Dataset
+
+from dlfleet.api.errors import InvalidArgument
+from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader
+
+pytestmark = pytest.mark.integration
+
+
+class Records(Dataset[int]):
+    """Record i is the integer i."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def env(running: Running, round_: int = 1, rank: int = 0, world: int = 1) -> LoaderEnvironment:
+    return LoaderEnvironment(
+        master=running.address, token=TOKEN, round=round_, node_id="n0", rank=rank, world_size=world
+    )
+
+
+def records(batches: list[torch.Tensor]) -> list[int]:
+    return [int(x) for b in batches for x in b]
+
+
+def test_one_epoch_yields_every_record_once_then_the_dataset_ends(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    with ShardedDataLoader(Records(23), 4, environment=env(running), shard_size=6) as loader:
+        batches = list(loader)
+        assert sorted(records(batches)) == list(range(23))
+        assert [len(b) for b in batches] == [4, 4, 4, 4, 4, 3]
+        assert len(loader) == len(batches)
+        assert list(loader) == []  # epochs=1: END_OF_DATASET ends iteration
+    status = running.client.dataset_status(loader.name)
+    assert status.finished
+
+
+def test_two_epochs_differ_in_order_and_each_covers_the_dataset(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    with ShardedDataLoader(Records(20), 3, epochs=2, seed=7, environment=env(running)) as loader:
+        first, second = records(list(loader)), records(list(loader))
+        assert list(loader) == []
+    assert sorted(first) == sorted(second) == list(range(20))
+    assert first != second
+
+
+def test_worker_processes_and_persistent_workers_keep_working(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    loader = ShardedDataLoader(
+        Records(30), 4, epochs=2, num_workers=2, persistent_workers=True,
+        environment=env(running),
+    )  # fmt: skip
+    with loader:
+        epochs = [records(list(loader)), records(list(loader))]
+    assert [sorted(e) for e in epochs] == [list(range(30))] * 2
+
+
+def run_ranks(world: int, rank_main: Callable[[int], None]) -> None:
+    """Each rank on a thread; a rank's exception fails the test."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as error:
+            errors.append(error)
+            raise
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_ranks_of_a_round_see_the_same_steps_and_split_the_records(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    world = 3
+    seen: dict[int, list[list[int]]] = {}
+    # Every step ends in a barrier, like DDP's all-reduce: a rank with one
+    # batch more or less than the others breaks it.
+    step = threading.Barrier(world, timeout=30)
+
+    def rank_main(rank: int) -> None:
+        loader = ShardedDataLoader(
+            Records(31), 2, epochs=2, shard_size=5, environment=env(running, rank=rank, world=world)
+        )
+        with loader:
+            seen[rank] = []
+            for _ in range(2):
+                epoch: list[int] = []
+                for batch in loader:
+                    epoch += [int(x) for x in batch]
+                    step.wait()
+                seen[rank].append(epoch)
+            assert list(loader) == []
+
+    run_ranks(world, rank_main)
+    for epoch in range(2):
+        union = [x for r in range(world) for x in seen[r][epoch]]
+        assert sorted(union) == list(range(31))
+
+
+def test_state_dict_mid_epoch_then_restore_in_a_new_round_replays_only_untrained_records(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    trained: list[int] = []
+    first = ShardedDataLoader(Records(40), 3, shard_size=7, environment=env(running, round_=1))
+    with first:
+        for step, batch in enumerate(first):
+            trained += [int(x) for x in batch]  # the step
+            if step == 4:
+                state = first.state_dict()  # checkpoint after step 4
+                break
+        # Trained after the checkpoint, then lost with the process:
+        trained_after = [int(x) for x in next(iter(first))]
+    assert len(trained) == 15 and len(trained_after) == 3
+    second = ShardedDataLoader(Records(40), 3, shard_size=7, environment=env(running, round_=2))
+    with second:
+        second.load_state_dict(state)
+        rest = records(list(second))
+        assert list(second) == []
+    assert sorted(trained + rest) == list(range(40))
+
+
+def test_load_state_dict_after_iterating_is_refused(start_master: Callable[..., Running]) -> None:
+    running = start_master()
+    with ShardedDataLoader(Records(10), 2, environment=env(running)) as loader:
+        state = loader.state_dict()
+        next(iter(loader))
+        with pytest.raises(InvalidArgument, match="before iterating"):
+            loader.load_state_dict(state)
+
+
+def test_async_ranks_take_whole_shards_and_cover_the_epoch(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    seen: dict[int, list[int]] = {}
+
+    def rank_main(rank: int) -> None:
+        loader = ShardedDataLoader(
+            Records(50), 4, shard_size=8, mode="async", name="evalset",
+            environment=env(running, rank=rank, world=2),
+        )  # fmt: skip
+        with loader:
+            seen[rank] = records(list(loader))
+
+    run_ranks(2, rank_main)
+    assert sorted(seen[0] + seen[1]) == list(range(50))
+    assert running.client.dataset_status("evalset").finished
+
+
+def test_breaking_out_of_an_epoch_and_iterating_again_loses_and_repeats_nothing(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    loader = ShardedDataLoader(Records(30), 2, num_workers=2, environment=env(running))
+    seen: list[int] = []
+    with loader:
+        for step, batch in enumerate(loader):
+            seen += [int(x) for x in batch]
+            if step == 3:
+                break
+        seen += records(list(loader))
+        assert list(loader) == []
+    assert sorted(seen) == list(range(30))
+
+
+def test_the_package_root_exports_the_loader() -> None:
+    import dlfleet
+
+    assert dlfleet.ShardedDataLoader is ShardedDataLoader

@@ -1,0 +1,224 @@
+"""The rendezvous through a real server and client: joins block until the round
+forms, a dead agent's session closes its round at once and the survivors hear
+it, late nodes trigger a re-rendezvous, rounds survive a master restart, and
+stale rounds are fenced off."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from harness import TOKEN, Running
+
+from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.errors import StaleError
+from dlfleet.api.v1 import rendezvous_pb2, shards_pb2
+from dlfleet.master.core.liveness import LivenessSettings
+from dlfleet.master.core.rendezvous import RendezvousSettings
+from dlfleet.master.state import MasterSettings
+
+pytestmark = pytest.mark.integration
+
+
+def settings(**rdzv: int) -> MasterSettings:
+    return MasterSettings(
+        job_name="job",
+        rendezvous=RendezvousSettings(**{"last_call_timeout_ms": 300, **rdzv}),
+        liveness=LivenessSettings(heartbeat_interval_ms=100, heartbeat_timeout_ms=1_500),
+    )
+
+
+class Agent:
+    """A minimal agent: registered, with a session, able to join."""
+
+    def __init__(self, address: str, name: str, lws: int = 1) -> None:
+        self.client = MasterClient(address, token=TOKEN, timeout_s=5)
+        reg = self.client.register_node(job_name="job", node_name=name, local_world_size=lws)
+        self.node_id, self.incarnation, self.lws = reg.node_id, reg.incarnation, lws
+        self.session: AgentSession = self.client.agent_session(self.node_id, self.incarnation, 0.1)
+
+    def join(self, port: int = 29500) -> rendezvous_pb2.JoinResponse:
+        return self.client.join_rendezvous(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            local_world_size=self.lws,
+            host="127.0.0.1",
+            bootstrap_port=port,
+            timeout_s=20,
+        )
+
+    def next_push(self, timeout: float = 5) -> rendezvous_pb2.SessionEvent:
+        return self.session.events.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.session.close()
+        self.client.close()
+
+
+def join_all(agents: list[Agent]) -> list[rendezvous_pb2.JoinResponse]:
+    with ThreadPoolExecutor(len(agents)) as pool:
+        return list(pool.map(lambda a: a.join(29500 + agents.index(a)), agents))
+
+
+@pytest.fixture
+def agents() -> Any:
+    made: list[Agent] = []
+
+    def make(address: str, name: str, lws: int = 1) -> Agent:
+        made.append(Agent(address, name, lws))
+        return made[-1]
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def test_joins_block_until_the_round_forms_and_agree_on_it(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=3, max_nodes=3))
+    nodes = [agents(master.address, f"n{i}", lws=i + 1) for i in range(3)]
+    results = join_all(nodes)
+    assert {r.round for r in results} == {1}
+    assert sorted(r.group_rank for r in results) == [0, 1, 2]
+    for r in results:
+        assert r.group_world_size == 3
+        assert list(r.local_world_sizes) == [1, 2, 3]
+        assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, 29500)
+        assert list(r.node_ids) == [n.node_id for n in nodes]
+    assert master.client.rendezvous_state().round == 1
+
+
+def test_a_dead_agents_session_closes_the_round_and_the_survivor_hears_at_once(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b])
+    started = time.monotonic()
+    b.session.close()  # the agent process died: its stream breaks
+    push = a.next_push()
+    assert push.re_rendezvous.closed_round == 1
+    assert "lost its session" in push.re_rendezvous.reason
+    assert time.monotonic() - started < 2, "pushed at once, not after a heartbeat timeout"
+    again = a.join()
+    assert (again.round, again.group_world_size, again.group_rank) == (2, 1, 0)
+    with pytest.raises(StaleError):
+        b.join()  # that incarnation is gone
+
+
+def test_a_late_node_makes_the_members_re_rendezvous_into_a_bigger_round(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a = agents(master.address, "a")
+    assert a.join().group_world_size == 1
+    b = agents(master.address, "b")
+    late: queue.Queue[rendezvous_pb2.JoinResponse] = queue.Queue()
+    threading.Thread(target=lambda: late.put(b.join()), daemon=True).start()
+    assert a.next_push().re_rendezvous.closed_round == 1
+    mine = a.join()
+    theirs = late.get(timeout=10)
+    assert (mine.round, mine.group_world_size) == (2, 2)
+    assert (mine.group_rank, theirs.group_rank) == (0, 1), "the survivor keeps rank 0"
+
+
+def test_a_node_whose_workers_succeeded_leaves_without_disturbing_the_others(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b])
+    b.client.leave_rendezvous(b.node_id, b.incarnation, "succeeded")
+    b.session.close()
+    time.sleep(0.3)
+    assert a.session.events.empty()
+    assert master.client.rendezvous_state().round == 1
+
+
+def test_a_new_round_releases_the_old_rounds_shard_leases(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a = agents(master.address, "a")
+    first = a.join()
+    client = master.client
+    client.register_dataset(shards_pb2.DatasetSpec(name="d", size=40, batch_size=5, epochs=1))
+    lease = client.lease_for_round("d", round=first.round, position=0).shard
+    b = agents(master.address, "b")
+    threading.Thread(target=b.join, daemon=True).start()
+    a.next_push()
+    second = a.join()
+    with pytest.raises(StaleError):
+        client.report_done("d", lease.lease_id, round=first.round)
+    with pytest.raises(StaleError):
+        client.lease_for_round("d", round=first.round, position=1)
+    again = client.lease_for_round("d", round=second.round, position=0).shard
+    assert (again.start, again.end) == (lease.start, lease.end), "the released shard comes back"
+
+
+def test_failure_reports_of_a_stale_round_are_rejected(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=1))
+    a = agents(master.address, "a")
+    first = a.join()
+    report = rendezvous_pb2.FailureReport(
+        node_id=a.node_id, incarnation=a.incarnation, round=first.round, exit_code=1
+    )
+    a.client.report_worker_failure(report)
+    second = a.join()
+    assert second.round == first.round + 1
+    with pytest.raises(StaleError, match="stale"):
+        a.client.report_worker_failure(report)
+
+
+def test_a_silent_agent_is_dropped_after_the_heartbeat_timeout(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a = agents(master.address, "a")
+    client = MasterClient(master.address, token=TOKEN)
+    reg = client.register_node(job_name="job", node_name="hung", local_world_size=1)
+    # A node that joined but never heartbeats (no session): a hang or a partition.
+    outcome: queue.Queue[BaseException | None] = queue.Queue()
+
+    def hung_join() -> None:
+        try:
+            client.join_rendezvous(
+                node_id=reg.node_id, incarnation=reg.incarnation, local_world_size=1,
+                host="127.0.0.1", bootstrap_port=1, timeout_s=20,
+            )  # fmt: skip
+            outcome.put(None)
+        except StaleError as error:
+            outcome.put(error)
+
+    threading.Thread(target=hung_join, daemon=True).start()
+    assert a.join().group_world_size == 2
+    push = a.next_push(timeout=5)
+    assert "missed its heartbeats" in push.re_rendezvous.reason
+    assert a.join().group_world_size == 1
+    assert outcome.get(timeout=5) is None, "the hung node's join had succeeded"
+    client.close()
+
+
+def test_the_round_and_node_table_survive_a_master_restart(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b])
+    port = master.server.port
+    start_master.stop(master)  # type: ignore[attr-defined]
+    again = start_master(settings(min_nodes=2, max_nodes=2), port=port)
+    state = again.client.rendezvous_state()
+    assert state.round == 1 and list(state.members) == [a.node_id, b.node_id]
+    # The agents' sessions reconnect; a failure report for round 1 is current.
+    a.client.report_worker_failure(
+        rendezvous_pb2.FailureReport(node_id=a.node_id, incarnation=a.incarnation, round=1)
+    )

@@ -1,0 +1,215 @@
+"""The master's RPCs through a real gRPC server on 127.0.0.1:0, the real client
+and a real store (SQLite file and PostgreSQL)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import TOKEN, Running
+
+from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.errors import InvalidArgument, NotFound, StaleError, Unauthenticated, Unavailable
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.master.core.liveness import LivenessSettings
+from dlfleet.master.core.shards import ShardSettings
+from dlfleet.master.state import MasterSettings
+
+pytestmark = pytest.mark.integration
+
+
+def spec(
+    name: str = "data", size: int = 100, shard: int = 10, epochs: int = 1
+) -> shards_pb2.DatasetSpec:
+    return shards_pb2.DatasetSpec(
+        name=name, size=size, batch_size=5, shard_size=shard, epochs=epochs, shuffle=True, seed=3
+    )
+
+
+def test_registration_is_idempotent_and_conflicts_are_invalid_argument(
+    start_master: Callable[..., Running],
+) -> None:
+    client = start_master().client
+    assert client.register_dataset(spec()).created
+    again = client.register_dataset(spec())
+    assert not again.created
+    assert again.status.records_per_epoch == 100
+    with pytest.raises(InvalidArgument, match="size=200"):
+        client.register_dataset(spec(size=200))
+    with pytest.raises(InvalidArgument, match="batch_size 5 is larger than the dataset"):
+        client.register_dataset(spec(name="tiny", size=3))
+    with pytest.raises(InvalidArgument, match="size must be at least 1"):
+        client.register_dataset(spec(name="empty", size=0))
+
+
+def test_a_full_epoch_of_lease_and_ack_covers_every_position_once(
+    start_master: Callable[..., Running],
+) -> None:
+    client = start_master().client
+    client.register_dataset(spec(size=95, shard=10))
+    covered: list[int] = []
+    held: list[int] = []
+    while True:
+        resp = client.lease("data", node_id="n", rank=0, done=held)
+        held = []
+        kind = resp.WhichOneof("outcome")
+        if kind != "shard":
+            assert kind in {"end_of_dataset", "end_of_epoch"}
+            if kind == "end_of_dataset":
+                break
+            continue
+        covered.extend(range(resp.shard.start, resp.shard.end))
+        held = [resp.shard.lease_id]
+    assert sorted(covered) == list(range(95))
+    status = client.dataset_status("data")
+    assert status.finished
+
+
+def test_errors_map_to_documented_status_codes(start_master: Callable[..., Running]) -> None:
+    running = start_master()
+    client = running.client
+    with pytest.raises(NotFound, match="not registered"):
+        client.lease("nope", node_id="n", rank=0)
+    client.register_dataset(spec())
+    with pytest.raises(StaleError, match="not live"):
+        client.report_done("data", 424242)
+    with pytest.raises(InvalidArgument, match="names no consumer"):
+        client._call(  # a malformed request that the typed methods cannot build
+            "Lease", client._shards.Lease, shards_pb2.LeaseRequest(dataset="data")
+        )
+    lease = client.lease("data", node_id="n", rank=0).shard
+    with pytest.raises(InvalidArgument, match="consumed 11 is outside"):
+        client.renew("data", lease.lease_id, consumed=11)
+    assert client.renew("data", lease.lease_id, consumed=4).deadline_unix_ms > 0
+    # A stale report changed nothing: the lease is still live and can be acked once.
+    assert not client.report_done("data", lease.lease_id).duplicate
+    assert client.report_done("data", lease.lease_id).duplicate
+
+
+def test_every_rpc_needs_the_job_token_but_health_does_not(
+    start_master: Callable[..., Running],
+) -> None:
+    running = start_master()
+    target = running.client.target
+    for token in ("", "wrong", TOKEN + "x"):
+        with MasterClient(target, token=token) as bad, pytest.raises(Unauthenticated):
+            bad.register_dataset(spec())
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = health.Check(health_pb2.HealthCheckRequest(service="dlfleet.api.v1.Shards"))
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(NotFound):  # nothing was registered by the rejected calls
+        running.client.dataset_status("data")
+
+
+def test_expired_lease_is_requeued_by_the_server_ticker(
+    start_master: Callable[..., Running],
+) -> None:
+    settings = MasterSettings(job_name="job", shard=ShardSettings(lease_timeout_ms=200))
+    client = start_master(settings).client
+    client.register_dataset(spec(size=20, shard=10))
+    first = client.lease("data", node_id="a", rank=0).shard
+    client.renew("data", first.lease_id, consumed=4)
+    time.sleep(0.6)
+    with pytest.raises(StaleError):
+        client.report_done("data", first.lease_id)
+    again = client.lease("data", node_id="b", rank=0).shard
+    assert (again.start, again.end) == (first.start + 4, first.end)
+
+
+def test_node_that_stops_heartbeating_loses_its_leases(
+    start_master: Callable[..., Running],
+) -> None:
+    settings = MasterSettings(
+        job_name="job",
+        liveness=LivenessSettings(heartbeat_interval_ms=50, heartbeat_timeout_ms=300),
+    )
+    client = start_master(settings).client
+    node = client.register_node(job_name="job", node_name="host-a", local_world_size=2)
+    assert node.node_id == "host-a#1"
+    client.register_dataset(spec(size=20, shard=10))
+    lease = client.lease("data", node_id=node.node_id, rank=0).shard
+    client.heartbeat(node.node_id, node.incarnation)
+    time.sleep(0.8)
+    with pytest.raises(StaleError):
+        client.heartbeat(node.node_id, node.incarnation)
+    status = client.dataset_status("data")
+    assert status.leases_active == 0
+    assert status.records_todo == 20
+    with pytest.raises(StaleError):
+        client.report_done("data", lease.lease_id)
+
+
+def test_node_of_another_job_is_rejected(start_master: Callable[..., Running]) -> None:
+    client = start_master().client
+    with pytest.raises(InvalidArgument, match="belongs to job 'other'"):
+        client.register_node(job_name="other", node_name="x", local_world_size=1)
+
+
+def test_reregistering_a_node_releases_the_old_incarnations_leases(
+    start_master: Callable[..., Running],
+) -> None:
+    client = start_master().client
+    first = client.register_node(job_name="job", node_name="h", local_world_size=1)
+    client.register_dataset(spec(size=20, shard=10))
+    client.lease("data", node_id=first.node_id, rank=0)
+    second = client.register_node(job_name="job", node_name="h", local_world_size=1)
+    assert second.incarnation == first.incarnation + 1
+    assert client.dataset_status("data").leases_active == 0
+    with pytest.raises(StaleError):
+        client.heartbeat(first.node_id, first.incarnation)
+
+
+def test_snapshot_and_restore_through_the_wire(start_master: Callable[..., Running]) -> None:
+    client = start_master().client
+    client.register_dataset(spec(size=40, shard=10))
+    a = client.lease("data", node_id="n", rank=0).shard
+    client.report_done("data", a.lease_id)
+    b = client.lease("data", node_id="n", rank=0).shard
+    snap = client.snapshot("data", progress=[(b.lease_id, 3)])
+    assert [(r.start, r.end) for r in snap.done] == [(a.start, b.start + 3)]
+    c = client.lease("data", node_id="n", rank=0).shard
+    client.report_done("data", c.lease_id)
+    assert client.restore(snap, round=1).applied
+    assert not client.restore(snap, round=1).applied, "every rank of the round may restore"
+    with pytest.raises(StaleError):
+        client.report_done("data", b.lease_id)
+    assert client.snapshot("data") == snap
+    bad = shards_pb2.DatasetSnapshot()
+    bad.CopyFrom(snap)
+    bad.spec_digest = "0" * 16
+    with pytest.raises(InvalidArgument, match="different dataset spec"):
+        client.restore(bad)
+
+
+def test_client_gives_up_with_a_clear_error_when_the_master_is_unreachable() -> None:
+    policy = RetryPolicy(attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05, total_budget_s=2)
+    with MasterClient("127.0.0.1:1", token=TOKEN, timeout_s=0.5, retry=policy) as client:
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match=r"master 127\.0\.0\.1:1 failed after 4 attempts"):
+            client.dataset_status("data")
+        assert time.monotonic() - started < 5
+
+
+def test_lease_stream_answers_in_order_and_survives_a_refused_request(
+    start_master: Callable[..., Running],
+) -> None:
+    client = start_master().client
+    client.register_dataset(spec(size=30, shard=10))
+    with client.lease_session() as session:
+        first = session.lease("data", node_id="n", rank=0).shard
+        with pytest.raises(StaleError, match="not live"):
+            session.lease("data", node_id="n", rank=0, done=[first.lease_id + 1000])
+        # The refused request changed nothing, and the stream is still usable.
+        assert client.dataset_status("data").leases_active == 1
+        second = session.lease("data", node_id="n", rank=0, done=[first.lease_id]).shard
+        assert second.start == first.end
+        third = session.lease("data", node_id="n", rank=0, done=[second.lease_id]).shard
+        end = session.lease("data", node_id="n", rank=0, done=[third.lease_id])
+        assert end.WhichOneof("outcome") == "end_of_epoch"
+        assert session.lease("data", node_id="n", rank=0).WhichOneof("outcome") == "end_of_dataset"
+        with pytest.raises(NotFound):
+            session.lease("other", node_id="n", rank=0)

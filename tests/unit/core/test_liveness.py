@@ -1,0 +1,168 @@
+"""NodeTable: every registration is a new incarnation; older incarnations are
+stale; a node silent for longer than the timeout is reported dead once."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.master.core.liveness import MAX_NODE_NAME, LivenessSettings, NodeTable
+
+TIMEOUT = 1_000
+
+
+def table() -> NodeTable:
+    return NodeTable(LivenessSettings(heartbeat_interval_ms=100, heartbeat_timeout_ms=TIMEOUT))
+
+
+def test_registering_the_same_name_again_gives_the_next_incarnation() -> None:
+    nodes = table()
+    records = [nodes.register("worker-0", 8, "host-a", now_ms=t) for t in (0, 10, 20)]
+    assert [r.incarnation for r in records] == [1, 2, 3]
+    assert [r.node_id for r in records] == ["worker-0#1", "worker-0#2", "worker-0#3"]
+    assert nodes.nodes["worker-0"] is records[-1]
+
+
+def test_incarnations_are_counted_per_name() -> None:
+    nodes = table()
+    nodes.register("a", 1, "h", now_ms=0)
+    assert nodes.register("b", 1, "h", now_ms=0).node_id == "b#1"
+    assert nodes.register("a", 1, "h", now_ms=0).node_id == "a#2"
+
+
+def test_a_registration_records_what_the_node_said() -> None:
+    record = table().register("n", 4, "10.0.0.7", now_ms=123)
+    assert (record.name, record.local_world_size, record.host, record.last_seen_ms) == (
+        "n",
+        4,
+        "10.0.0.7",
+        123,
+    )
+
+
+def test_incarnations_keep_counting_after_the_node_expired() -> None:
+    nodes = table()
+    nodes.register("n", 1, "h", now_ms=0)
+    assert [r.node_id for r in nodes.expire(now_ms=TIMEOUT + 1)] == ["n#1"]
+    assert nodes.register("n", 1, "h", now_ms=TIMEOUT + 2).incarnation == 2
+
+
+def test_heartbeat_of_an_older_incarnation_is_stale() -> None:
+    nodes = table()
+    old = nodes.register("n", 1, "h", now_ms=0)
+    new = nodes.register("n", 1, "h", now_ms=5)
+    with pytest.raises(StaleError):
+        nodes.heartbeat(old.node_id, old.incarnation, now_ms=10)
+    nodes.heartbeat(new.node_id, new.incarnation, now_ms=10)
+    assert nodes.nodes["n"].last_seen_ms == 10
+
+
+@pytest.mark.parametrize(
+    ("node_id", "incarnation"),
+    [("n#1", 2), ("n#2", 1), ("m#1", 1), ("n", 1), ("", 1)],
+)
+def test_heartbeat_with_a_mismatched_id_or_incarnation_is_stale(
+    node_id: str, incarnation: int
+) -> None:
+    nodes = table()
+    nodes.register("n", 1, "h", now_ms=0)
+    with pytest.raises(StaleError):
+        nodes.heartbeat(node_id, incarnation, now_ms=1)
+    assert nodes.nodes["n"].last_seen_ms == 0
+
+
+def test_heartbeat_never_moves_last_seen_backwards() -> None:
+    nodes = table()
+    record = nodes.register("n", 1, "h", now_ms=500)
+    nodes.heartbeat(record.node_id, 1, now_ms=100)
+    assert record.last_seen_ms == 500
+
+
+def test_a_node_silent_for_exactly_the_timeout_is_still_alive() -> None:
+    nodes = table()
+    nodes.register("n", 1, "h", now_ms=0)
+    assert nodes.expire(now_ms=TIMEOUT) == []
+    assert "n" in nodes.nodes
+
+
+def test_a_node_silent_longer_than_the_timeout_expires_exactly_once() -> None:
+    nodes = table()
+    record = nodes.register("n", 1, "h", now_ms=0)
+    assert nodes.expire(now_ms=TIMEOUT + 1) == [record]
+    assert nodes.expire(now_ms=TIMEOUT + 2) == []
+    assert nodes.expire(now_ms=10 * TIMEOUT) == []
+    assert "n" not in nodes.nodes
+
+
+def test_a_node_that_beat_in_time_does_not_expire() -> None:
+    nodes = table()
+    beating = nodes.register("beating", 1, "h", now_ms=0)
+    silent = nodes.register("silent", 1, "h", now_ms=0)
+    for now in range(0, 5 * TIMEOUT, TIMEOUT // 2):
+        nodes.heartbeat(beating.node_id, beating.incarnation, now_ms=now)
+    dead = nodes.expire(now_ms=5 * TIMEOUT)
+    assert dead == [silent]
+    assert list(nodes.nodes) == ["beating"]
+
+
+def test_heartbeat_of_an_expired_node_is_stale() -> None:
+    nodes = table()
+    record = nodes.register("n", 1, "h", now_ms=0)
+    nodes.expire(now_ms=TIMEOUT + 1)
+    with pytest.raises(StaleError):
+        nodes.heartbeat(record.node_id, record.incarnation, now_ms=TIMEOUT + 2)
+
+
+def test_a_forgotten_node_is_stale_and_never_expires() -> None:
+    nodes = table()
+    record = nodes.register("n", 1, "h", now_ms=0)
+    nodes.forget("n")
+    nodes.forget("never-registered")
+    with pytest.raises(StaleError):
+        nodes.live(record.node_id, record.incarnation)
+    assert nodes.expire(now_ms=10 * TIMEOUT) == []
+
+
+def test_a_restored_node_gets_a_full_timeout_and_keeps_its_incarnation() -> None:
+    nodes = table()
+    nodes.restore("n", 4, 2, "h", now_ms=5_000)
+    assert nodes.live("n#4", 4).last_seen_ms == 5_000
+    assert nodes.expire(now_ms=5_000 + TIMEOUT) == []
+    assert nodes.register("n", 2, "h", now_ms=5_001).incarnation == 5
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "a#b", "#", "x" * (MAX_NODE_NAME + 1), "line\nbreak", "bell\x07"],
+)
+def test_bad_node_name_is_invalid_argument(name: str) -> None:
+    nodes = table()
+    with pytest.raises(InvalidArgument, match="node name"):
+        nodes.register(name, 1, "h", now_ms=0)
+    assert nodes.nodes == {}
+
+
+def test_a_name_of_the_maximum_length_is_accepted() -> None:
+    table().register("x" * MAX_NODE_NAME, 1, "h", now_ms=0)
+
+
+@pytest.mark.parametrize("local_world_size", [0, -1, 1025])
+def test_bad_local_world_size_is_invalid_argument(local_world_size: int) -> None:
+    nodes = table()
+    with pytest.raises(InvalidArgument, match="local_world_size"):
+        nodes.register("n", local_world_size, "h", now_ms=0)
+    assert nodes.nodes == {}
+
+
+def test_a_rejected_registration_does_not_use_up_an_incarnation() -> None:
+    nodes = table()
+    with pytest.raises(InvalidArgument):
+        nodes.register("n", 0, "h", now_ms=0)
+    assert nodes.register("n", 1, "h", now_ms=0).incarnation == 1
+
+
+@pytest.mark.parametrize("local_world_size", [1, 1024])
+def test_local_world_size_limits_are_accepted(local_world_size: int) -> None:
+    assert table().register("n", local_world_size, "h", now_ms=0).local_world_size == (
+        local_world_size
+    )

@@ -1,0 +1,253 @@
+"""The rendezvous core with a fake clock: completion rules, node_unit,
+exclusivity, dead members, stale rounds, rank stability; and a state machine
+that checks its invariants under random joins, deaths and time."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.master.core.rendezvous import (
+    NodeDropped,
+    Rendezvous,
+    RendezvousEvent,
+    RendezvousSettings,
+    RoundClosed,
+    RoundFormed,
+    global_ranks,
+)
+
+LAST_CALL = 1_000
+
+
+def rdzv(**kw: int) -> Rendezvous:
+    return Rendezvous(RendezvousSettings(**{"last_call_timeout_ms": LAST_CALL, **kw}))
+
+
+def join(r: Rendezvous, node: str, now: int, lws: int = 1) -> list[RendezvousEvent]:
+    return r.join(node, lws, f"host-{node}", 1000 + len(node), now)
+
+
+def formed(events: list[RendezvousEvent]) -> RoundFormed | None:
+    rounds = [e for e in events if isinstance(e, RoundFormed)]
+    return rounds[-1] if rounds else None
+
+
+def test_round_forms_at_once_when_max_nodes_joined() -> None:
+    r = rdzv(min_nodes=2, max_nodes=3)
+    join(r, "a", 0)
+    join(r, "b", 10)
+    round_ = formed(join(r, "c", 20))
+    assert round_ is not None and round_.round == 1
+    assert [m.node_id for m in round_.members] == ["a", "b", "c"]
+
+
+def test_round_forms_after_last_call_once_min_nodes_joined() -> None:
+    r = rdzv(min_nodes=2, max_nodes=4)
+    join(r, "a", 0)
+    assert formed(join(r, "b", 100)) is None
+    assert r.next_deadline() == 100 + LAST_CALL
+    assert formed(r.tick(100 + LAST_CALL - 1)) is None
+    round_ = formed(r.tick(100 + LAST_CALL))
+    assert round_ is not None and round_.members[1].node_id == "b"
+
+
+def test_a_join_during_last_call_restarts_the_last_call() -> None:
+    r = rdzv(min_nodes=1, max_nodes=4)
+    join(r, "a", 0)
+    join(r, "b", 900)
+    assert formed(r.tick(1_000)) is None
+    assert formed(r.tick(1_900)) is not None
+
+
+def test_size_is_rounded_down_to_node_unit_and_the_rest_wait() -> None:
+    r = rdzv(min_nodes=2, max_nodes=8, node_unit=2)
+    for i, node in enumerate("abcde"):
+        join(r, node, i)
+    round_ = formed(r.tick(5 + LAST_CALL))
+    assert round_ is not None and len(round_.members) == 4
+    assert r.num_nodes_waiting() == 1
+    assert r.assignment("e") is None
+
+
+def test_a_late_node_waits_and_closes_a_round_that_can_grow() -> None:
+    r = rdzv(min_nodes=1, max_nodes=2)
+    join(r, "a", 0)
+    first = formed(r.tick(LAST_CALL))
+    assert first is not None
+    events = join(r, "b", 5_000)
+    closed = [e for e in events if isinstance(e, RoundClosed)]
+    assert closed and closed[0].round == 1 and "b is waiting" in closed[0].reason
+    assert r.assignment("a") is None, "members must re-rendezvous"
+    # The round forms as soon as the expected member is back: no last call.
+    second = formed(join(r, "a", 5_010))
+    assert second is not None and second.round == 2
+    assert [m.node_id for m in second.members] == ["a", "b"]
+
+
+def test_a_late_node_is_a_spare_when_the_round_is_full() -> None:
+    r = rdzv(min_nodes=2, max_nodes=2)
+    join(r, "a", 0)
+    formed_round = formed(join(r, "b", 0))
+    assert formed_round is not None
+    events = join(r, "c", 10)
+    assert not any(isinstance(e, RoundClosed) for e in events)
+    assert r.state.active is not None and r.num_nodes_waiting() == 1
+    # A member dies: the spare takes its place in the next round.
+    r.remove("b", "died", 20)
+    round_ = formed(join(r, "a", 30))
+    assert round_ is not None and {m.node_id for m in round_.members} == {"a", "c"}
+
+
+def test_a_dead_member_closes_the_round_and_survivors_reform_without_last_call() -> None:
+    r = rdzv(min_nodes=1, max_nodes=3)
+    for node in "abc":
+        join(r, node, 0)
+    assert r.state.active is not None
+    events = r.remove("b", "died", 100)
+    assert any(isinstance(e, RoundClosed) and "b died" in e.reason for e in events)
+    assert formed(join(r, "c", 110)) is None
+    round_ = formed(join(r, "a", 120))
+    assert round_ is not None and round_.round == 2 and len(round_.members) == 2
+
+
+def test_surviving_nodes_keep_their_relative_rank_order() -> None:
+    r = rdzv(min_nodes=1, max_nodes=4)
+    for node in "abcd":
+        join(r, node, 0)
+    r.remove("a", "died", 10)
+    join(r, "e", 11)  # a newcomer: ranks after the survivors
+    for node in "dcb":
+        join(r, node, 20)
+    round_ = r.state.active
+    assert round_ is not None
+    assert [m.node_id for m in round_.members] == ["b", "c", "d", "e"]
+
+
+def test_stale_round_is_rejected_and_changes_nothing() -> None:
+    r = rdzv(min_nodes=1, max_nodes=1)
+    join(r, "a", 0)
+    assert r.check_member("a", 1).round == 1
+    r.remove("a", "left", 1)
+    join(r, "a", 2)
+    before = dataclasses.asdict(r.state)
+    with pytest.raises(StaleError, match="round 1 is stale"):
+        r.check_member("a", 1)
+    with pytest.raises(StaleError, match="not a member"):
+        r.check_member("zz", 2)
+    assert dataclasses.asdict(r.state) == before
+
+
+def test_join_timeout_drops_nodes_waiting_for_a_round_that_cannot_form() -> None:
+    r = rdzv(min_nodes=3, max_nodes=3, join_timeout_ms=5_000)
+    join(r, "a", 0)
+    join(r, "b", 1_000)
+    events = r.tick(5_000)
+    dropped = [e for e in events if isinstance(e, NodeDropped)]
+    assert [e.node_id for e in dropped] == ["a"]
+    assert "join_timeout" in r.state.dropped["a"]
+
+
+def test_global_ranks_are_prefix_sums_of_local_world_sizes() -> None:
+    r = rdzv(min_nodes=3, max_nodes=3)
+    join(r, "a", 0, lws=2)
+    join(r, "b", 0, lws=1)
+    join(r, "c", 0, lws=3)
+    round_ = r.state.active
+    assert round_ is not None
+    assert [list(global_ranks(round_, n)) for n in "abc"] == [[0, 1], [2], [3, 4, 5]]
+    assert (round_.bootstrap_host, round_.bootstrap_port) == ("host-a", 1001)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"min_nodes": 0},
+        {"min_nodes": 3, "max_nodes": 2},
+        {"min_nodes": 3, "max_nodes": 3, "node_unit": 2},
+        {"node_unit": 0},
+        {"join_timeout_ms": 0},
+    ],
+)
+def test_bad_settings_are_invalid_argument(kw: dict[str, int]) -> None:
+    with pytest.raises(InvalidArgument):
+        RendezvousSettings(**kw)
+
+
+def test_bad_joins_are_invalid_argument_and_change_nothing() -> None:
+    r = rdzv(min_nodes=2, max_nodes=2)
+    before = dataclasses.asdict(r.state)
+    for bad in (("", 1, 0), ("a", 0, 0), ("a", 1, 70000)):
+        with pytest.raises(InvalidArgument):
+            r.join(bad[0], bad[1], "h", bad[2], 0)
+    assert dataclasses.asdict(r.state) == before
+
+
+class RendezvousMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.journal: list[str] = []
+        self.r = Rendezvous()
+
+    @initialize(low=st.integers(1, 4), extra=st.integers(0, 3), unit=st.integers(1, 2))
+    def configure(self, low: int, extra: int, unit: int) -> None:
+        high = low + extra
+        if high // unit * unit < low:
+            unit = 1
+        self.r = Rendezvous(
+            RendezvousSettings(low, high, unit, last_call_timeout_ms=50, join_timeout_ms=400)
+        )
+
+    def _record(self, events: list[RendezvousEvent]) -> None:
+        self.journal += [e.to_json() for e in events]
+
+    @rule(node=st.sampled_from("abcdefg"), lws=st.integers(1, 3))
+    def join(self, node: str, lws: int) -> None:
+        self._record(self.r.join(node, lws, "h", 5, self.now))
+
+    @rule(node=st.sampled_from("abcdefg"))
+    def dies(self, node: str) -> None:
+        self._record(self.r.remove(node, "died", self.now))
+
+    @rule(dt=st.integers(1, 200))
+    def time_passes(self, dt: int) -> None:
+        self.now += dt
+        self._record(self.r.tick(self.now))
+
+    @rule(round_=st.integers(0, 20), node=st.sampled_from("abcdefg"))
+    def fencing_never_changes_state(self, round_: int, node: str) -> None:
+        before = dataclasses.asdict(self.r.state)
+        with contextlib.suppress(StaleError):
+            self.r.check_member(node, round_)
+        assert dataclasses.asdict(self.r.state) == before
+
+    @invariant()
+    def active_round_is_well_formed(self) -> None:
+        s, cfg = self.r.state, self.r.settings
+        if s.active is None:
+            return
+        ranks = [m.group_rank for m in s.active.members]
+        assert ranks == list(range(len(ranks)))
+        assert cfg.min_nodes <= s.active.world_size <= cfg.max_nodes
+        assert s.active.world_size % cfg.node_unit == 0
+        assert not {m.node_id for m in s.active.members} & set(s.waiting)
+
+    @invariant()
+    def journal_replay_rebuilds_the_state(self) -> None:
+        replayed = Rendezvous(self.r.settings)
+        for text in self.journal:
+            replayed.apply(RendezvousEvent.from_json(text))
+        assert dataclasses.asdict(replayed.state) == dataclasses.asdict(self.r.state)
+
+
+RendezvousMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None
+)
+TestRendezvousMachine = RendezvousMachine.TestCase

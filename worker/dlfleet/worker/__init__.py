@@ -1,0 +1,1 @@
+"""The training side: the `dlworker` agent and the ShardedDataLoader."""

@@ -1,0 +1,502 @@
+"""`dlworker`'s settings: torchrun's flags plus dlfleet's own, as one frozen value.
+
+A user moves a job from `torchrun` to `dlworker` by changing the command name
+and adding the master's address, so the flags keep torchrun's spellings (both
+`--nproc-per-node` and `--nproc_per_node`), its defaults and its `PET_*`
+environment variables. dlfleet's own settings come from `--master`,
+`--token-file`, `--job-name`, `--node-name` or the `DLFLEET_*` variables.
+
+Invariants:
+- A flag always beats its environment variable, which beats the default.
+- Everything after the training script is passed to it untouched, even when
+  it looks like one of our flags (`train.py --lr 0.1 -m x`).
+- Bad input raises `ConfigError` naming the flag (or the variable the value
+  came from) and the problem; `config_or_exit` turns that into one line on
+  stderr and exit code 2. Parsing reads the token file and, for
+  `--nproc-per-node auto|gpu`, asks torch how many accelerators there are;
+  nothing else touches the machine, and the environment is an argument.
+
+Deliberate differences from torchrun: abbreviated flags are not accepted (a
+new flag can never change what an abbreviation means); per-rank maps in
+`--redirects`/`--tee` may name local ranks above 9 but none beyond
+`--nproc-per-node`; `cpu`/`auto` (without accelerators) are capped at
+`MAX_AUTO_CPU_PROCESSES`; the run id is `--run-id` (torchrun's `--rdzv-id`
+spelling is accepted too). torchrun's rendezvous flags (`--rdzv-*`,
+`--standalone`, `--master-addr`...) are not accepted: the dlfleet master is
+the rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+from dlfleet.api.errors import InvalidArgument
+
+MASTER_ENV = "DLFLEET_MASTER"
+TOKEN_ENV = "DLFLEET_TOKEN"
+JOB_ENV = "DLFLEET_JOB"
+NODE_NAME_ENV = "DLFLEET_NODE_NAME"
+
+# `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
+# an explicit integer is never capped.
+MAX_AUTO_CPU_PROCESSES = 32
+
+
+class ConfigError(InvalidArgument):
+    """A flag or environment variable has a value `dlworker` cannot use."""
+
+    def __init__(self, flag: str, problem: str) -> None:
+        super().__init__(f"{flag}: {problem}")
+        self.flag = flag
+        self.problem = problem
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to a log file (torchrun's `Std`)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+_STD_VALUE = re.compile(r"^[0-3]$")
+_STD_MAP = re.compile(r"^\d+:[0-3](,\d+:[0-3])*$")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """torchrun's `--redirects`/`--tee` value: `"3"` applies to every local
+    rank; `"0:1,1:2"` names ranks and leaves the others at `Std.NONE`."""
+
+    default: Std = Std.NONE
+    per_rank: tuple[tuple[int, Std], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> StreamSpec:
+        """Raises ValueError for anything but torchrun's two forms."""
+        text = text.strip()
+        if _STD_VALUE.match(text):
+            return cls(default=Std(int(text)))
+        if _STD_MAP.match(text):
+            pairs: dict[int, Std] = {}
+            for item in text.split(","):
+                rank, value = item.split(":")
+                if int(rank) in pairs:
+                    raise ValueError(f"local rank {int(rank)} is given twice in {text!r}")
+                pairs[int(rank)] = Std(int(value))
+            return cls(per_rank=tuple(sorted(pairs.items())))
+        raise ValueError(
+            f"{text!r} is neither 0..3 (1=stdout, 2=stderr, 3=both) nor a map like '0:1,1:2'"
+        )
+
+    def for_rank(self, local_rank: int) -> Std:
+        for rank, value in self.per_rank:
+            if rank == local_rank:
+                return value
+        return self.default
+
+    def highest_rank(self) -> int:
+        """The highest local rank named in a per-rank map, -1 if none."""
+        return max((rank for rank, _ in self.per_rank), default=-1)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _accelerator_count() -> int:
+    # Imported here: only `--nproc-per-node auto|gpu` pays for importing torch.
+    import torch
+
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    """What parsing needs to know about this machine; tests pass their own."""
+
+    hostname: Callable[[], str] = socket.gethostname
+    cpu_count: Callable[[], int] = _usable_cpus
+    accelerator_count: Callable[[], int] = _accelerator_count
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """`"host:port"` or `"[v6addr]:port"` -> (host, port); ValueError otherwise."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if ":" in host:
+            raise ValueError(f"{text!r}: write an IPv6 address as [ADDR]:PORT")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not in 1..65535")
+    return host, port
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one `dlworker` needs to know before it talks to the master."""
+
+    training_script: str
+    master: str
+    token: str = field(repr=False)
+    training_script_args: tuple[str, ...] = ()
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    role: str = "default"
+    run_id: str = "none"
+    module: bool = False
+    no_python: bool = False
+    log_dir: Path | None = None
+    redirects: StreamSpec = StreamSpec()
+    tee: StreamSpec = StreamSpec()
+    job_name: str = "job"
+    node_name: str = "localhost"
+
+    def __post_init__(self) -> None:
+        if not self.training_script:
+            raise ConfigError("training_script", "missing: give the script to run after the flags")
+        if not 0 < self.min_nodes <= self.max_nodes:
+            raise ConfigError(
+                "--nnodes", f"need 0 < MIN <= MAX, got MIN={self.min_nodes} MAX={self.max_nodes}"
+            )
+        if self.nproc_per_node < 1:
+            raise ConfigError("--nproc-per-node", f"must be at least 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts", f"must be >= 0, got {self.max_restarts}")
+        if not self.monitor_interval_s > 0:
+            raise ConfigError(
+                "--monitor-interval", f"must be > 0 seconds, got {self.monitor_interval_s}"
+            )
+        if self.module and self.no_python:
+            raise ConfigError("--no-python", "cannot be combined with -m/--module")
+        for name, spec in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if spec.highest_rank() >= self.nproc_per_node:
+                raise ConfigError(
+                    name,
+                    f"names local rank {spec.highest_rank()} but --nproc-per-node is "
+                    f"{self.nproc_per_node}",
+                )
+        try:
+            split_host_port(self.master)
+        except ValueError as exc:
+            raise ConfigError("--master", str(exc)) from None
+        for name, value in (
+            ("--role", self.role),
+            ("--run-id", self.run_id),
+            ("--job-name", self.job_name),
+            ("--node-name", self.node_name),
+        ):
+            if not value.strip():
+                raise ConfigError(name, "must not be empty")
+        if not self.token:
+            raise ConfigError("--token-file", f"the job token is empty (or set ${TOKEN_ENV})")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        if "training_script" in message:
+            raise ConfigError("training_script", "missing: give the script to run after the flags")
+        bad_value = re.match(r"argument (\S+): (.*)", message)
+        if bad_value:
+            raise ConfigError(bad_value.group(1).split("/")[0], bad_value.group(2))
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            raise ConfigError(
+                unknown.group(1),
+                "unknown flag (dlworker takes torchrun's worker flags; the dlfleet master is "
+                "the rendezvous)",
+            )
+        raise ConfigError("arguments", message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="dlworker",
+        description="dlfleet's node agent: torchrun's flags, with the dlfleet master as the "
+        "rendezvous.",
+        allow_abbrev=False,
+    )
+    add = p.add_argument
+    add("--nnodes", help="number of nodes, N or MIN:MAX (default 1:1; env PET_NNODES)")
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        help="workers per node: N, cpu, gpu or auto (default 1; env PET_NPROC_PER_NODE)",
+    )
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        help="worker group restarts before failing (default 0; env PET_MAX_RESTARTS)",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        help="seconds between checks of the workers (default 0.1; env PET_MONITOR_INTERVAL)",
+    )
+    add("--role", help="role of the workers (default 'default'; env PET_ROLE)")
+    add(
+        "--run-id",
+        "--run_id",
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="run_id",
+        help="user-defined run id (default 'none'; env PET_RUN_ID)",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_const",
+        const=True,
+        help="run the script as a module, like 'python -m' (env PET_MODULE)",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_const",
+        const=True,
+        help="run the script directly, not with python (env PET_NO_PYTHON)",
+    )
+    add("--log-dir", "--log_dir", dest="log_dir", help="base folder for logs (env PET_LOG_DIR)")
+    add(
+        "-r",
+        "--redirects",
+        help="streams to redirect into log files: 0..3 or '0:1,1:2' (env PET_REDIRECTS)",
+    )
+    add("-t", "--tee", help="streams to copy into log files: like --redirects (env PET_TEE)")
+    add("--master", help=f"the dlfleet master, HOST:PORT (env {MASTER_ENV})")
+    add("--token-file", dest="token_file", help=f"file holding the job token (or ${TOKEN_ENV})")
+    add("--job-name", dest="job_name", help=f"the job to join (default 'job'; env {JOB_ENV})")
+    add(
+        "--node-name",
+        dest="node_name",
+        help=f"this node's name (default the hostname; env {NODE_NAME_ENV})",
+    )
+    add("training_script", help="the training script (or module, with -m), then its arguments")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+@dataclass(frozen=True)
+class _Value:
+    text: str
+    source: str  # the flag or variable it came from, for error messages
+
+
+class _Sources:
+    """Picks each setting from its flag, then its environment variables."""
+
+    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+        self._args = args
+        self._environ = environ
+
+    def get(self, dest: str, flag: str, *env_names: str) -> _Value | None:
+        value = getattr(self._args, dest)
+        if value is not None:
+            return _Value(str(value), flag)
+        for name in env_names:
+            text = self._environ.get(name, "")
+            if text.strip():
+                return _Value(text, name)
+        return None
+
+    def flag(self, dest: str, flag: str, env_name: str) -> bool:
+        if getattr(self._args, dest) is not None:
+            return True
+        text = self._environ.get(env_name, "").strip().lower()
+        if text in ("", "0", "false", "no", "off"):
+            return False
+        if text in ("1", "true", "yes", "on"):
+            return True
+        raise ConfigError(env_name, f"expected 0 or 1, got {text!r}")
+
+
+def _int(value: _Value, minimum: int) -> int:
+    try:
+        number = int(value.text)
+    except ValueError:
+        raise ConfigError(value.source, f"expected an integer, got {value.text!r}") from None
+    if number < minimum:
+        raise ConfigError(value.source, f"must be >= {minimum}, got {number}")
+    return number
+
+
+def _nnodes(value: _Value) -> tuple[int, int]:
+    parts = value.text.split(":")
+    if len(parts) > 2:
+        raise ConfigError(value.source, f"expected N or MIN:MAX, got {value.text!r}")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ConfigError(value.source, f"expected N or MIN:MAX, got {value.text!r}") from None
+    if low < 1:
+        raise ConfigError(value.source, f"MIN must be at least 1, got {low}")
+    if low > high:
+        raise ConfigError(value.source, f"MIN {low} is greater than MAX {high}")
+    return low, high
+
+
+def _nproc(value: _Value, probe: HostProbe) -> int:
+    text = value.text.strip().lower()
+    if text == "cpu":
+        return max(1, min(probe.cpu_count(), MAX_AUTO_CPU_PROCESSES))
+    if text in ("gpu", "auto"):
+        accelerators = probe.accelerator_count()
+        if accelerators > 0:
+            return accelerators
+        if text == "gpu":
+            raise ConfigError(value.source, "'gpu' was asked for but no accelerator is available")
+        return max(1, min(probe.cpu_count(), MAX_AUTO_CPU_PROCESSES))
+    try:
+        number = int(text)
+    except ValueError:
+        raise ConfigError(
+            value.source, f"expected an integer, cpu, gpu or auto, got {value.text!r}"
+        ) from None
+    if number < 1:
+        raise ConfigError(value.source, f"must be at least 1 process, got {number}")
+    return number
+
+
+def _seconds(value: _Value) -> float:
+    try:
+        seconds = float(value.text)
+    except ValueError:
+        raise ConfigError(value.source, f"expected seconds, got {value.text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(value.source, f"must be > 0 seconds, got {value.text}")
+    return seconds
+
+
+def _streams(value: _Value | None, nproc: int) -> StreamSpec:
+    if value is None:
+        return StreamSpec()
+    try:
+        spec = StreamSpec.parse(value.text)
+    except ValueError as exc:
+        raise ConfigError(value.source, str(exc)) from None
+    if spec.highest_rank() >= nproc:
+        raise ConfigError(
+            value.source,
+            f"names local rank {spec.highest_rank()} but there are only {nproc} processes",
+        )
+    return spec
+
+
+def _token(sources: _Sources, environ: Mapping[str, str]) -> str:
+    path = sources.get("token_file", "--token-file")
+    if path is not None:
+        try:
+            token = Path(path.text).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError("--token-file", f"{path.text}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError("--token-file", f"{path.text}: not a UTF-8 text file") from None
+        if not token:
+            raise ConfigError("--token-file", f"{path.text} is empty")
+        return token
+    token = environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ConfigError("--token-file", f"no job token: pass --token-file or set ${TOKEN_ENV}")
+    return token
+
+
+def parse_args(
+    argv: Sequence[str], environ: Mapping[str, str], probe: HostProbe | None = None
+) -> AgentConfig:
+    """`dlworker`'s command line and environment -> its settings.
+
+    Raises ConfigError naming the offending flag or variable. `-h` prints the
+    usage and raises SystemExit(0), as argparse does.
+    """
+    probe = probe or HostProbe()
+    args = _parser().parse_args(list(argv))
+    src = _Sources(args, environ)
+
+    nnodes = src.get("nnodes", "--nnodes", "PET_NNODES")
+    min_nodes, max_nodes = _nnodes(nnodes) if nnodes else (1, 1)
+    nproc_value = src.get("nproc_per_node", "--nproc-per-node", "PET_NPROC_PER_NODE")
+    nproc = _nproc(nproc_value, probe) if nproc_value else 1
+    restarts = src.get("max_restarts", "--max-restarts", "PET_MAX_RESTARTS")
+    interval = src.get("monitor_interval", "--monitor-interval", "PET_MONITOR_INTERVAL")
+    role = src.get("role", "--role", "PET_ROLE")
+    run_id = src.get("run_id", "--run-id", "PET_RUN_ID", "PET_RDZV_ID")
+    log_dir = src.get("log_dir", "--log-dir", "PET_LOG_DIR")
+    module = src.flag("module", "--module", "PET_MODULE")
+    no_python = src.flag("no_python", "--no-python", "PET_NO_PYTHON")
+    if module and no_python:
+        raise ConfigError("--no-python", "cannot be combined with -m/--module")
+
+    master = src.get("master", "--master", MASTER_ENV)
+    if master is None:
+        raise ConfigError(
+            "--master", f"no master address: pass --master HOST:PORT or set ${MASTER_ENV}"
+        )
+    try:
+        split_host_port(master.text)
+    except ValueError as exc:
+        raise ConfigError(master.source, str(exc)) from None
+    job = src.get("job_name", "--job-name", JOB_ENV)
+    node = src.get("node_name", "--node-name", NODE_NAME_ENV)
+
+    return AgentConfig(
+        training_script=str(args.training_script),
+        training_script_args=tuple(str(a) for a in args.training_script_args),
+        master=master.text.strip(),
+        token=_token(src, environ),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        max_restarts=_int(restarts, 0) if restarts else 0,
+        monitor_interval_s=_seconds(interval) if interval else 0.1,
+        role=role.text if role else "default",
+        run_id=run_id.text if run_id else "none",
+        module=module,
+        no_python=no_python,
+        log_dir=Path(log_dir.text) if log_dir else None,
+        redirects=_streams(src.get("redirects", "--redirects", "PET_REDIRECTS"), nproc),
+        tee=_streams(src.get("tee", "--tee", "PET_TEE"), nproc),
+        job_name=job.text if job else "job",
+        node_name=node.text if node else probe.hostname(),
+    )
+
+
+def config_or_exit(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    stderr: TextIO | None = None,
+) -> AgentConfig:
+    """`parse_args` for a `main`: bad input prints `dlworker: error: <flag>:
+    <problem>` on one line and exits with code 2, like argparse."""
+    try:
+        return parse_args(
+            sys.argv[1:] if argv is None else argv, os.environ if environ is None else environ
+        )
+    except ConfigError as exc:
+        print(f"dlworker: error: {exc}", file=stderr or sys.stderr)
+        raise SystemExit(2) from None

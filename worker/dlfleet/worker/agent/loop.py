@@ -1,0 +1,333 @@
+"""The agent's control loop: join a round, run the local workers, react.
+
+One state object per phase, advanced by `step()` (Ray Train's controller):
+
+    Joining -> Running -> Succeeded                      (exit 0)
+                       -> Restarting(failure) -> Joining (a worker failed: one
+                                                          restart consumed)
+                       -> Rejoining(reason)  -> Joining  (the world changed:
+                                                          no restart consumed)
+                       -> Failed(failure)                 (restarts exhausted)
+                       -> Preempted                       (SIGTERM: exit 0)
+
+What makes restarts never hang: the master pushes "re-rendezvous" on the
+agent's session the moment a peer dies or a node waits, and the agent then
+stops its workers (SIGTERM, then SIGKILL) whatever collective they are stuck
+in. Every round gets a fresh process-group store endpoint (the leader's free
+port, chosen at join), so no key of an earlier attempt is ever read again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy
+from dlfleet.api.errors import DlfleetError
+from dlfleet.api.v1 import rendezvous_pb2
+from dlfleet.worker.agent.config import AgentConfig
+from dlfleet.worker.agent.env import RoundAssignment, worker_environments
+from dlfleet.worker.agent.workers import (
+    GroupStatus,
+    WorkerFailure,
+    WorkerGroup,
+    attempt_log_dir,
+)
+
+_log = logging.getLogger("dlworker")
+
+STOP_TIMEOUT_S = 10.0
+NODE_ID_ENV = "DLFLEET_NODE_ID"
+TOKEN_ENV = "DLFLEET_TOKEN"
+# How long to keep trying an unreachable master before giving up, in seconds.
+CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
+
+
+# ------------------------------------------------------------------ phases
+
+
+@dataclass(frozen=True)
+class Joining:
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class Running:
+    assignment: RoundAssignment
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class Restarting:
+    failure: WorkerFailure
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class Rejoining:
+    reason: str
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    pass
+
+
+@dataclass(frozen=True)
+class Failed:
+    failure: WorkerFailure | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Preempted:
+    pass
+
+
+Phase = Joining | Running | Restarting | Rejoining | Succeeded | Failed | Preempted
+FINAL = (Succeeded, Failed, Preempted)
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now, for this node's process-group store should
+    it lead the next round; released before the workers start."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.host = host
+        budget = float(os.environ.get(CONNECT_BUDGET_ENV, "60"))
+        self.client = MasterClient(
+            config.master,
+            token=config.token,
+            retry=RetryPolicy(attempts=50, max_backoff_s=2.0, total_budget_s=budget),
+        )
+        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="dlworker-"))
+        self.preempted = threading.Event()
+        self.node_id = ""
+        self.incarnation = 0
+        self.session: AgentSession | None = None
+        self.group: WorkerGroup | None = None
+        self.rounds: list[RoundAssignment] = []
+
+    # ---------------------------------------------------------------- life
+
+    def run(self) -> int:
+        """Run until the workers succeed (0), fail for good (1), or the agent
+        is preempted (0)."""
+        try:
+            registered = self.client.register_node(
+                job_name=self.config.job_name,
+                node_name=self.config.node_name,
+                local_world_size=self.config.nproc_per_node,
+                host=self.host,
+            )
+        except DlfleetError as error:
+            _log.error("cannot register with the master at %s: %s", self.config.master, error)
+            return 1
+        self.node_id, self.incarnation = registered.node_id, registered.incarnation
+        interval = max(registered.heartbeat_interval_ms, 100) / 1000
+        self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
+        phase: Phase = Joining(restart_count=0)
+        try:
+            while not isinstance(phase, FINAL):
+                phase = self.step(phase)
+        finally:
+            self._stop_workers()
+            self._leave(phase)
+            self.session.close()
+            self.client.close()
+        if isinstance(phase, Failed):
+            _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
+            return 1
+        return 0
+
+    def step(self, phase: Phase) -> Phase:
+        if self.preempted.is_set():
+            return Preempted()
+        if isinstance(phase, Joining):
+            return self._join(phase)
+        if isinstance(phase, Running):
+            return self._watch(phase)
+        if isinstance(phase, Restarting):
+            self._report(phase.failure, phase.restart_count)
+            if phase.restart_count >= self.config.max_restarts:
+                return Failed(phase.failure, _describe(phase.failure, self.node_id))
+            _log.warning(
+                "worker failed (%s); restart %d of %d",
+                _describe(phase.failure, self.node_id),
+                phase.restart_count + 1,
+                self.config.max_restarts,
+            )
+            return Joining(phase.restart_count + 1)
+        if isinstance(phase, Rejoining):
+            _log.info("re-rendezvous: %s", phase.reason)
+            return Joining(phase.restart_count)
+        raise AssertionError(f"no step from {phase}")
+
+    # ------------------------------------------------------------- phases
+
+    def _join(self, phase: Joining) -> Phase:
+        assert self.session is not None
+        _drain(self.session.events)  # pushes about rounds before this one
+        try:
+            joined = self.client.join_rendezvous(
+                node_id=self.node_id,
+                incarnation=self.incarnation,
+                local_world_size=self.config.nproc_per_node,
+                host=self.host,
+                bootstrap_port=free_port(self.host),
+            )
+        except DlfleetError as error:
+            return Failed(None, f"rendezvous failed: {error}")
+        assignment = RoundAssignment(
+            round=joined.round,
+            group_rank=joined.group_rank,
+            group_world_size=joined.group_world_size,
+            local_world_sizes=tuple(joined.local_world_sizes),
+            bootstrap_host=joined.bootstrap_host,
+            bootstrap_port=joined.bootstrap_port,
+        )
+        self.session.round = assignment.round
+        self.rounds.append(assignment)
+        _log.info(
+            "round %d: group rank %d of %d, world size %d, store %s:%d",
+            assignment.round,
+            assignment.group_rank,
+            assignment.group_world_size,
+            assignment.world_size,
+            assignment.bootstrap_host,
+            assignment.bootstrap_port,
+        )
+        attempt_dir = attempt_log_dir(self.log_dir, assignment.round)
+        envs = worker_environments(
+            self.config,
+            assignment,
+            phase.restart_count,
+            attempt_dir,
+            self.config.master,
+            agent_environ=os.environ,
+            extra={NODE_ID_ENV: self.node_id, TOKEN_ENV: self.config.token},
+        )
+        self.group = WorkerGroup()
+        self.group.start(self.config, envs, self.log_dir, assignment.round)
+        return Running(assignment, phase.restart_count)
+
+    def _watch(self, phase: Running) -> Phase:
+        """Poll the workers; wake at once for a push from the master."""
+        assert self.session is not None and self.group is not None
+        try:
+            event = self.session.events.get(timeout=self.config.monitor_interval_s)
+        except queue.Empty:
+            event = None
+        if self.preempted.is_set():
+            return Preempted()
+        if event is not None and event.HasField("re_rendezvous"):
+            push = event.re_rendezvous
+            if push.closed_round >= phase.assignment.round:
+                self._stop_workers()
+                return Rejoining(push.reason, phase.restart_count)
+        if self.session.closed_by_master.is_set():
+            self._stop_workers()
+            return Failed(None, "the master no longer knows this node (it was dropped)")
+        state = self.group.poll()
+        if state.status is GroupStatus.SUCCEEDED:
+            self._stop_workers()
+            return Succeeded()
+        if state.status is GroupStatus.FAILED:
+            self._stop_workers()
+            assert state.failure is not None
+            return Restarting(state.failure, phase.restart_count)
+        return phase
+
+    # ------------------------------------------------------------- helpers
+
+    def _stop_workers(self) -> None:
+        if self.group is not None:
+            self.group.stop(STOP_TIMEOUT_S)
+            self.group = None
+
+    def _report(self, failure: WorkerFailure, restart_count: int) -> None:
+        round_ = self.rounds[-1] if self.rounds else None
+        message = failure.message
+        if failure.traceback:
+            message = f"{message}\n{failure.traceback}"
+        report = rendezvous_pb2.FailureReport(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            round=round_.round if round_ else 0,
+            local_rank=failure.local_rank,
+            global_rank=(round_.rank_offset if round_ else 0) + failure.local_rank,
+            exit_code=failure.exit_code,
+            signal=failure.signal_name or "",
+            message=message[-8000:],
+            restart_count=restart_count,
+        )
+        try:
+            self.client.report_worker_failure(report)
+        except DlfleetError as error:  # a stale round: the report is history
+            _log.warning("failure report not taken: %s", error)
+
+    def _leave(self, phase: Phase) -> None:
+        reason = {Succeeded: "succeeded", Preempted: "preempted"}.get(type(phase), "failed")
+        if not self.node_id:
+            return
+        try:
+            self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
+        except DlfleetError as error:
+            _log.warning("could not leave the rendezvous cleanly: %s", error)
+
+
+def _drain(events: queue.Queue[rendezvous_pb2.SessionEvent]) -> None:
+    while True:
+        try:
+            events.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _describe(failure: WorkerFailure, node_id: str) -> str:
+    how = (
+        f"signal {failure.signal_name}" if failure.signal_name else f"exit code {failure.exit_code}"
+    )
+    last = failure.message.strip().splitlines()[-1] if failure.message.strip() else ""
+    return f"local rank {failure.local_rank} on {node_id} ended with {how}: {last}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dlworker [torchrun-style flags] train.py [args]`."""
+    import signal
+
+    from dlfleet.worker.agent.config import config_or_exit
+
+    config = config_or_exit(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dlworker %(levelname)s %(message)s")
+    agent = Agent(config, host=os.environ.get("DLFLEET_NODE_HOST", "127.0.0.1"))
+
+    def preempt(signum: int, frame: object) -> None:
+        agent.preempted.set()
+
+    signal.signal(signal.SIGTERM, preempt)
+    signal.signal(signal.SIGINT, preempt)
+    started = time.monotonic()
+    code = agent.run()
+    _log.info("exiting with %d after %.1fs", code, time.monotonic() - started)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

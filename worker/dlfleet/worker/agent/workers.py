@@ -1,0 +1,491 @@
+"""The local training processes of one rendezvous round: start, watch, stop.
+
+Built on `subprocess.Popen` rather than torch's `start_processes` because the
+agent needs three things that function does not give directly: logs laid out
+by round (`<log_dir>/<round>/<local_rank>/stdout.log|stderr.log`, torch picks
+its own `<run_id>_<random>/attempt_<n>` folders), a stop that kills each
+worker's whole process group (DataLoader workers and other grandchildren
+included) and escalates from SIGTERM to SIGKILL on our own deadline, and no
+dependence on torch's private, version-to-version `LogsSpecs` signatures. The
+agent therefore imports no torch to launch workers.
+
+Invariants:
+- Each worker leads its own session (`start_new_session=True`), so its process
+  group id is its pid; signals go to the group, never to the agent's group.
+- The first failure is latched: `poll()` keeps reporting the same one while
+  later ranks die of its consequences. "First" is the failure seen in the
+  earliest poll; among ranks seen failing in the same poll, the earliest error
+  file timestamp (torch's root-cause rule), then the lowest local rank.
+- `stop()` always ends every process group it started and reaps every worker,
+  is idempotent, and freezes the state: exits it causes are never failures.
+  It is also how a finished group is closed: log files and tee threads are
+  complete once it returned.
+- Stale error files of an earlier attempt are removed before a worker starts,
+  so an error file is always this attempt's.
+
+Matching torchrun: command lines (`python -u script`, `-m`, `--no-python`,
+`PYTHON_EXEC`), `--redirects` and `--tee` (tee'd lines are echoed to the
+agent's console prefixed `[<role><local_rank>]:`), and reading `@record`
+error files. Different: stdin is /dev/null (many processes never share a
+terminal usefully), log files are appended to, not replaced, and a worker
+with no error file but a stderr log gets the tail of that log as its message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+from dlfleet.api.errors import DlfleetError
+from dlfleet.worker.agent.config import AgentConfig, Std
+
+logger = logging.getLogger(__name__)
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# An error file or log tail larger than this is read only up to it.
+MAX_REPORT_BYTES = 1 << 20
+STDERR_TAIL_LINES = 20
+_STOP_POLL_S = 0.05
+
+
+class WorkerStartError(DlfleetError):
+    """A worker process could not be started at all (e.g. no such executable)."""
+
+
+class GroupStatus(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every worker exited 0
+    FAILED = "failed"  # some worker exited non-zero or was killed
+    STOPPED = "stopped"  # stop() ended a group that was still running
+
+
+@dataclass(frozen=True)
+class ErrorFileReport:
+    """What a worker's `@record` error file says."""
+
+    message: str
+    traceback: str | None = None
+    timestamp: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    local_rank: int
+    pid: int
+    exit_code: int  # Popen's returncode: -N when killed by signal N
+    signal_name: str | None  # "SIGKILL" when killed by a signal
+    message: str  # the error file's message, else the stderr tail, else a summary
+    traceback: str | None = None
+    timestamp: int | None = None  # seconds since the epoch, from the error file
+    error_file: str | None = None  # the error file, when the worker wrote one
+
+
+@dataclass(frozen=True)
+class GroupState:
+    status: GroupStatus
+    exit_codes: tuple[int | None, ...]  # by local rank; None while running
+    failure: WorkerFailure | None = None
+
+
+def _die_with_parent(command: list[str]) -> list[str]:
+    """Prefix `command` so the worker gets SIGKILL when its agent dies (Linux's
+    parent-death signal, set by util-linux's `setpriv` right before it execs the
+    worker). A SIGKILLed agent then leaves no orphan training in a stale round.
+    Not `preexec_fn`: running Python in a child forked from the agent, whose
+    gRPC threads are live, can crash that child before it execs."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or not sys.platform.startswith("linux") or not os.path.exists("/bin/sh"):
+        return command
+    if shutil.which(command[0]) is None:
+        return command  # let Popen report the missing program itself
+    # setpriv sets the signal after the fork: an agent killed in between would
+    # leave the worker orphaned with no signal armed. The shell checks, once the
+    # signal is armed, that its parent is still the agent, and only then execs.
+    guard = 'test "$PPID" = "$0" || exit 137; exec "$@"'
+    return [
+        setpriv,
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "/bin/sh",
+        "-c",
+        guard,
+        str(os.getpid()),
+        *command,
+    ]
+
+
+def worker_command(config: AgentConfig, python: str) -> list[str]:
+    """The command line of every worker, as torchrun builds it."""
+    if config.no_python:
+        return [config.training_script, *config.training_script_args]
+    module = ["-m"] if config.module else []
+    return [python, "-u", *module, config.training_script, *config.training_script_args]
+
+
+def attempt_log_dir(log_dir: Path, round_id: int) -> Path:
+    """The folder of one round's logs; the agent passes it to
+    `worker_environments` as the error file folder too."""
+    return log_dir / str(round_id)
+
+
+def _signal_name(exit_code: int) -> str | None:
+    if exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def _read_capped(path: Path) -> str | None:
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - MAX_REPORT_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def read_error_file(path: Path) -> ErrorFileReport | None:
+    """Reads an error file written by torch's `@record` (`ErrorHandler`),
+    tolerant of its formats: `{"message": {"message", "extraInfo":
+    {"py_callstack", "timestamp"}}}`, `{"message": str, "timestamp"}`, or
+    anything else (then its text is the message). None if there is no file."""
+    text = _read_capped(path)
+    if text is None or not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return ErrorFileReport(message=text.strip())
+    if not isinstance(data, dict):
+        return ErrorFileReport(message=text.strip())
+    body = data.get("message")
+    if isinstance(body, str):
+        return ErrorFileReport(message=body, timestamp=_int_or_none(data.get("timestamp")))
+    if isinstance(body, dict):
+        extra = body.get("extraInfo")
+        extra = extra if isinstance(extra, dict) else {}
+        callstack = extra.get("py_callstack")
+        message = body.get("message")
+        return ErrorFileReport(
+            message=str(message) if message is not None else json.dumps(body),
+            traceback=callstack if isinstance(callstack, str) else None,
+            timestamp=_int_or_none(extra.get("timestamp", data.get("timestamp"))),
+        )
+    return ErrorFileReport(message=text.strip())
+
+
+def _tail(path: Path, lines: int) -> str | None:
+    text = _read_capped(path)
+    if not text or not text.strip():
+        return None
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+class _Pump:
+    """Copies one tee'd stream of a worker into its log file and, each line
+    prefixed, to the agent's console."""
+
+    def __init__(
+        self,
+        source: IO[bytes],
+        log: BinaryIO,
+        console: BinaryIO,
+        prefix: bytes,
+        lock: threading.Lock,
+    ) -> None:
+        self._source, self._log, self._console = source, log, console
+        self._prefix, self._lock = prefix, lock
+        self.thread = threading.Thread(target=self._run, name=f"tee {prefix!r}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        # Always drain to EOF, whatever fails: a worker blocked on a full pipe
+        # would look like a hang.
+        log: BinaryIO | None = self._log
+        echo = True
+        for line in iter(self._source.readline, b""):
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except (OSError, ValueError) as exc:
+                    logger.warning("%s log stopped: %s", self._prefix.decode(), exc)
+                    log = None
+            if echo:
+                try:
+                    with self._lock:
+                        self._console.write(self._prefix + line)
+                        self._console.flush()
+                except (OSError, ValueError) as exc:
+                    logger.warning("%s console echo stopped: %s", self._prefix.decode(), exc)
+                    echo = False
+        self._source.close()
+        self._log.close()
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    error_file: Path | None
+    stderr_log: Path | None
+    pumps: list[_Pump]
+
+
+class WorkerGroup:
+    """The workers of one round on this node. Start it once, `poll()` it every
+    monitor interval, and `stop()` it when the round ends, whatever the state."""
+
+    def __init__(
+        self, console_stdout: BinaryIO | None = None, console_stderr: BinaryIO | None = None
+    ) -> None:
+        self._console_stdout = console_stdout
+        self._console_stderr = console_stderr
+        self._console_lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._started = False
+        self._failure: WorkerFailure | None = None
+        self._final: GroupState | None = None
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(w.proc.pid for w in self._workers)
+
+    def start(
+        self,
+        config: AgentConfig,
+        envs: Sequence[Mapping[str, str]],
+        log_dir: Path,
+        round_id: int,
+    ) -> None:
+        """Starts one process per local rank, `envs[local_rank]` over the
+        agent's environment. Raises WorkerStartError (after stopping the ones
+        already started) if a process cannot be started."""
+        if self._started:
+            raise RuntimeError("a WorkerGroup is started once; make a new one per round")
+        if len(envs) != config.nproc_per_node:
+            raise ValueError(f"{len(envs)} environments for {config.nproc_per_node} processes")
+        self._started = True
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        command = _die_with_parent(worker_command(config, python))
+        attempt = attempt_log_dir(log_dir, round_id)
+        for local_rank, env in enumerate(envs):
+            try:
+                self._workers.append(
+                    self._start_one(config, command, env, attempt / str(local_rank), local_rank)
+                )
+            except OSError as exc:
+                self._stop(timeout_s=5.0, status=GroupStatus.STOPPED)
+                raise WorkerStartError(
+                    f"cannot start local rank {local_rank} ({' '.join(command)}): {exc}"
+                ) from exc
+
+    def _start_one(
+        self,
+        config: AgentConfig,
+        command: list[str],
+        env: Mapping[str, str],
+        rank_dir: Path,
+        local_rank: int,
+    ) -> _Worker:
+        error_file = Path(env[ERROR_FILE_ENV]) if env.get(ERROR_FILE_ENV) else None
+        if error_file is not None:
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            error_file.unlink(missing_ok=True)
+        redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
+        to_file = redirect | tee
+        if to_file:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+        logs: dict[str, BinaryIO] = {}
+        try:
+            for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+                if to_file & bit:
+                    logs[name] = (rank_dir / f"{name}.log").open("ab")
+            proc = subprocess.Popen(
+                command,
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if tee & Std.OUT else logs.get("stdout"),
+                stderr=subprocess.PIPE if tee & Std.ERR else logs.get("stderr"),
+                start_new_session=True,
+            )
+        except BaseException:
+            for log in logs.values():
+                log.close()
+            raise
+        pumps = []
+        prefix = f"[{config.role}{local_rank}]:".encode()
+        for name, source in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            if source is not None:  # tee'd: a pump owns the log file now
+                pumps.append(
+                    _Pump(source, logs[name], self._console(name), prefix, self._console_lock)
+                )
+            elif name in logs:
+                logs[name].close()  # redirected: the child holds its own copy
+        return _Worker(
+            local_rank=local_rank,
+            proc=proc,
+            error_file=error_file,
+            stderr_log=rank_dir / "stderr.log" if to_file & Std.ERR else None,
+            pumps=pumps,
+        )
+
+    def _console(self, name: str) -> BinaryIO:
+        chosen = self._console_stdout if name == "stdout" else self._console_stderr
+        if chosen is not None:
+            return chosen
+        stream = sys.stdout if name == "stdout" else sys.stderr
+        buffer: BinaryIO | None = getattr(stream, "buffer", None)
+        if buffer is not None:
+            return buffer
+        # sys.stdout was replaced by a text-only object: write to the fd itself.
+        return os.fdopen(1 if name == "stdout" else 2, "wb", closefd=False)
+
+    def poll(self) -> GroupState:
+        """The group's state now; after `stop()`, the state it froze."""
+        if self._final is not None:
+            return self._final
+        if not self._started:
+            raise RuntimeError("poll() before start()")
+        codes = tuple(w.proc.poll() for w in self._workers)
+        if self._failure is None:
+            failed = [w for w, code in zip(self._workers, codes, strict=True) if code]
+            if failed:
+                self._failure = self._first_failure(failed)
+        if self._failure is not None:
+            return GroupState(GroupStatus.FAILED, codes, self._failure)
+        if all(code == 0 for code in codes):
+            return GroupState(GroupStatus.SUCCEEDED, codes)
+        return GroupState(GroupStatus.RUNNING, codes)
+
+    def _first_failure(self, failed: Iterable[_Worker]) -> WorkerFailure:
+        failures = [self._describe(w) for w in failed]
+        return min(
+            failures,
+            key=lambda f: (f.timestamp if f.timestamp is not None else float("inf"), f.local_rank),
+        )
+
+    def _describe(self, worker: _Worker) -> WorkerFailure:
+        code = worker.proc.returncode
+        signal_name = _signal_name(code)
+        report = read_error_file(worker.error_file) if worker.error_file else None
+        if report is not None:
+            message, traceback, timestamp = report.message, report.traceback, report.timestamp
+        else:
+            traceback, timestamp = None, None
+            for pump in worker.pumps:  # a tee'd stderr may still be draining
+                pump.thread.join(timeout=1.0)
+            tail = _tail(worker.stderr_log, STDERR_TAIL_LINES) if worker.stderr_log else None
+            summary = f"killed by {signal_name}" if signal_name else f"exited with code {code}"
+            message = f"{summary}; stderr ends with:\n{tail}" if tail else summary
+        return WorkerFailure(
+            local_rank=worker.local_rank,
+            pid=worker.proc.pid,
+            exit_code=code,
+            signal_name=signal_name,
+            message=message,
+            traceback=traceback,
+            timestamp=timestamp,
+            error_file=str(worker.error_file) if report is not None else None,
+        )
+
+    def stop(self, timeout_s: float) -> GroupState:
+        """SIGTERM every worker's process group, SIGKILL what is left after
+        `timeout_s`, reap everything, and freeze the state. Idempotent."""
+        return self._stop(timeout_s, status=None)
+
+    def _stop(self, timeout_s: float, status: GroupStatus | None) -> GroupState:
+        if self._final is not None:
+            return self._final
+        before = self.poll() if self._started else GroupState(GroupStatus.STOPPED, ())
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while self._any_alive() and time.monotonic() < deadline:
+            time.sleep(_STOP_POLL_S)
+        if self._any_alive():
+            logger.warning("workers still running %.1fs after SIGTERM; sending SIGKILL", timeout_s)
+            self._signal_all(signal.SIGKILL)
+        for worker in self._workers:
+            try:
+                worker.proc.wait(timeout=max(1.0, timeout_s))
+            except subprocess.TimeoutExpired:
+                logger.error("worker pid %d survived SIGKILL; giving up on it", worker.proc.pid)
+            for pump in worker.pumps:
+                pump.thread.join(timeout=1.0)
+        codes = tuple(w.proc.returncode for w in self._workers)
+        if status is None:
+            running = before.status is GroupStatus.RUNNING
+            status = GroupStatus.STOPPED if running else before.status
+        self._final = GroupState(status, codes, before.failure)
+        return self._final
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for worker in self._workers:
+            # The group outlives its leader while grandchildren live; after the
+            # group is empty the call fails harmlessly.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.proc.pid, sig)
+
+    def _any_alive(self) -> bool:
+        orphaned: set[int] = set()  # groups whose leader is gone but which are not empty
+        for worker in self._workers:
+            if worker.proc.poll() is None:  # reaps a dead leader so its group can empty
+                return True
+            try:
+                os.killpg(worker.proc.pid, 0)
+                orphaned.add(worker.proc.pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return bool(orphaned) and _have_live_members(orphaned, set(self.pids))
+
+
+def _have_live_members(groups: set[int], own_children: set[int]) -> bool:
+    """Whether any process of `groups` is still running, zombies not counted:
+    an orphaned grandchild stays a zombie until init reaps it, and when the
+    agent is PID 1 (a container's entry point) the agent is init. Such zombies
+    that are ours to reap (not Popen's) are reaped here. Without /proc, any
+    member counts."""
+    if not os.path.isdir("/proc"):
+        return True
+    me, alive = os.getpid(), False
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "stat"), "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
+        if pgrp not in groups:
+            continue
+        if state not in (b"Z", b"X"):
+            alive = True
+        elif ppid == me and int(entry.name) not in own_children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry.name), os.WNOHANG)
+    return alive

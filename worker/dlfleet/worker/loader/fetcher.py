@@ -1,0 +1,210 @@
+"""The loader's background thread: leases the next shard while the current one
+trains, so the master round trip is hidden, and keeps held leases alive.
+
+Invariants:
+- At most `ahead` answers wait unconsumed: the thread leases one shard ahead of
+  the one being cut into batches, never more.
+- The lease session is used from this thread only (LeaseSession is not
+  thread-safe); renewals go through the thread-safe unary client.
+- Acks ride on the next lease request (`done=`): a lease is acked only once
+  the ledger says every record of it was trained by a completed step. A
+  request that fails puts its acks back for the next one.
+- Within an epoch, a round's next answer never waits for an ack, so asking one
+  position ahead cannot deadlock. After END_OF_EPOCH the next request is sent
+  only once every held lease is fully consumed: the master answers WAIT until
+  the epoch's leases are DONE, and this request is what carries their acks.
+- Every held lease is renewed every third of its time to live, with its
+  consumed count; in sync mode a renewal refused because another rank already
+  acked the lease is expected and ignored.
+- A WAIT is retried after the master's `retry_after_ms`, at the same position.
+- Any error ends the thread and is raised to the consumer on its next read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dlfleet.api.client import LeaseSession, MasterClient
+from dlfleet.api.errors import StaleError
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
+from dlfleet.worker.loader.ledger import LeaseLedger
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeasedShard:
+    lease_id: int
+    epoch: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class EndOfEpoch:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class EndOfDataset:
+    pass
+
+
+Outcome = LeasedShard | EndOfEpoch | EndOfDataset
+
+
+class LeaseFetcher:
+    def __init__(
+        self,
+        client: MasterClient,
+        ledger: LeaseLedger,
+        dataset: str,
+        env: LoaderEnvironment,
+        mode: LoaderMode,
+        *,
+        ahead: int = 1,
+        renew_interval_s: float | None = None,
+    ) -> None:
+        self._client = client
+        self._ledger = ledger
+        self._dataset = dataset
+        self._env = env
+        self._mode = mode
+        self._ahead = ahead
+        self._renew_interval_s = renew_interval_s
+        self._cond = threading.Condition()
+        self._results: deque[Outcome | BaseException] = deque()
+        self._position = 0
+        self._after_epoch = False
+        self._finished = False
+        self._stopping = False
+        self._last_renew = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._run, name=f"dlfleet-lease-{dataset}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def next_outcome(self) -> Outcome:
+        """The next answer, in order; raises the error that ended the thread."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._results))
+            item = self._results.popleft()
+            self._cond.notify_all()
+        if isinstance(item, BaseException):
+            with self._cond:
+                self._results.appendleft(item)  # every later read fails the same way
+            raise item
+        return item
+
+    def poke(self) -> None:
+        """The ledger changed: a held lease may now be ready to ack."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------- thread
+
+    def _may_ask(self) -> bool:
+        if self._finished or len(self._results) >= self._ahead:
+            return False
+        return not self._after_epoch or self._ledger.all_complete()
+
+    def _run(self) -> None:
+        try:
+            with self._client.lease_session() as session:
+                self._loop(session)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, who raises it
+            with self._cond:
+                self._results.append(error)
+                self._finished = True
+                self._cond.notify_all()
+
+    def _loop(self, session: LeaseSession) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._may_ask(), self._renew_wait())
+                if self._stopping:
+                    return
+                ask = self._may_ask()
+            self._renew_if_due()
+            if not ask:
+                continue
+            done = self._ledger.take_ready()
+            try:
+                response = self._ask(session, done)
+            except BaseException:
+                self._ledger.retry(done)
+                raise
+            self._ledger.confirm(done)
+            kind = response.WhichOneof("outcome")
+            if kind == "wait":
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping, response.wait.retry_after_ms / 1000)
+                continue
+            outcome = self._outcome(response, kind)
+            with self._cond:
+                self._position += 1
+                self._after_epoch = isinstance(outcome, EndOfEpoch)
+                self._finished = isinstance(outcome, EndOfDataset)
+                self._results.append(outcome)
+                self._cond.notify_all()
+            if self._finished:
+                return
+
+    def _ask(self, session: LeaseSession, done: list[int]) -> shards_pb2.LeaseResponse:
+        if self._mode is LoaderMode.SYNC:
+            return session.lease_for_round(
+                self._dataset, round=self._env.round, position=self._position, done=done
+            )
+        return session.lease(
+            self._dataset, node_id=self._env.node_id, rank=self._env.rank, done=done
+        )
+
+    def _outcome(self, response: shards_pb2.LeaseResponse, kind: str | None) -> Outcome:
+        if kind == "shard":
+            shard = response.shard
+            self._ledger.add(shard.lease_id, shard.end - shard.start)
+            if self._renew_interval_s is None:
+                # A third of the lease's time to live, measured on its first lease.
+                ttl_s = shard.deadline_unix_ms / 1000 - time.time()
+                self._renew_interval_s = max(0.2, ttl_s / 3)
+            return LeasedShard(shard.lease_id, shard.epoch, shard.start, shard.end)
+        if kind == "end_of_epoch":
+            return EndOfEpoch(response.end_of_epoch.epoch)
+        if kind == "end_of_dataset":
+            return EndOfDataset()
+        raise RuntimeError(f"unexpected lease answer {kind!r} for dataset {self._dataset!r}")
+
+    def _renew_wait(self) -> float | None:
+        if self._renew_interval_s is None:
+            return None
+        return max(0.0, self._last_renew + self._renew_interval_s - time.monotonic())
+
+    def _renew_if_due(self) -> None:
+        """Extend every held lease, telling the master how far it is trained."""
+        if self._renew_interval_s is None:
+            return
+        if time.monotonic() < self._last_renew + self._renew_interval_s:
+            return
+        self._last_renew = time.monotonic()
+        round_ = self._env.round if self._mode is LoaderMode.SYNC else 0
+        for lease_id, consumed in self._ledger.held():
+            try:
+                self._client.renew(self._dataset, lease_id, consumed, round=round_)
+            except StaleError as error:
+                # Another rank of the round may have acked it already. If it
+                # was lost instead, its ack fails loudly on the next request.
+                _log.debug("not renewing lease %d: %s", lease_id, error)

@@ -1,0 +1,98 @@
+"""What this process knows about its leases: how much of each has been trained.
+
+A lease is *consumed* up to the records of it that completed steps trained
+(global batches are consumed as a unit, in order, so this is always a prefix of
+the lease). A fully consumed lease is *ready* to ack; it stays in the ledger
+until the master has confirmed the ack, so a snapshot taken while the ack is in
+flight still counts it (the master skips leases it already holds DONE).
+
+Shared by the loader's thread (which completes batches) and the fetcher thread
+(which sends acks): every method takes the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dlfleet.worker.loader.slicing import GlobalBatch
+
+
+@dataclass
+class HeldLease:
+    lease_id: int
+    length: int
+    consumed: int = 0
+    sending: bool = False  # its ack is on the wire
+
+    @property
+    def complete(self) -> bool:
+        return self.consumed >= self.length
+
+
+class LeaseLedger:
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._leases: dict[int, HeldLease] = {}
+
+    def add(self, lease_id: int, length: int) -> None:
+        with self._lock:
+            self._leases.setdefault(lease_id, HeldLease(lease_id, length))
+
+    def consume(self, batch: GlobalBatch) -> None:
+        """A step that trained `batch` completed."""
+        with self._lock:
+            for lease_id, count in batch.lease_counts():
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    lease.consumed = min(lease.length, lease.consumed + count)
+            self._lock.notify_all()
+
+    def take_ready(self) -> list[int]:
+        """The fully consumed leases whose ack is not on the wire yet; they are
+        marked as sending until `confirm` or `retry`."""
+        with self._lock:
+            ready = [x.lease_id for x in self._leases.values() if x.complete and not x.sending]
+            for lease_id in ready:
+                self._leases[lease_id].sending = True
+            return ready
+
+    def confirm(self, lease_ids: Iterable[int]) -> None:
+        with self._lock:
+            for lease_id in lease_ids:
+                self._leases.pop(lease_id, None)
+            self._lock.notify_all()
+
+    def retry(self, lease_ids: Iterable[int]) -> None:
+        """The acks did not arrive: send them again with the next request."""
+        with self._lock:
+            for lease_id in lease_ids:
+                if lease_id in self._leases:
+                    self._leases[lease_id].sending = False
+
+    def all_complete(self) -> bool:
+        with self._lock:
+            return all(x.complete for x in self._leases.values())
+
+    def wait_acked(self, timeout_s: float) -> bool:
+        """Block until no fully consumed lease is left unconfirmed."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: not any(x.complete for x in self._leases.values()), timeout_s
+            )
+
+    def progress(self) -> list[tuple[int, int]]:
+        """(lease id, records consumed) of every lease not confirmed DONE."""
+        with self._lock:
+            return [(x.lease_id, x.consumed) for x in self._leases.values() if x.consumed]
+
+    def held(self) -> list[tuple[int, int]]:
+        """(lease id, records consumed) of every lease, for renewals."""
+        with self._lock:
+            return [(x.lease_id, x.consumed) for x in self._leases.values()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._leases.clear()
+            self._lock.notify_all()

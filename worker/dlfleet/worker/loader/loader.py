@@ -1,0 +1,319 @@
+"""`ShardedDataLoader`: a `torch.utils.data.DataLoader` fed by dlfleet shards.
+
+Why: under an elastic job, which records a rank trains must come from the
+master, so that a round of W ranks and the next round of W' ranks together
+train every record of every epoch exactly once, and a checkpoint can say which
+records its model has seen. The loader wraps a real DataLoader with a batch
+sampler fed by those shards, so num_workers, collate_fn, pin_memory and
+persistent_workers keep working.
+
+Modes (decided once, at construction):
+- sync (default under dlfleet): shards are leased to the rendezvous round
+  (DLFLEET_ROUND); every rank asks for position 0, 1, 2, ... and gets the same
+  shards, cut into global batches of `batch_size * world_size` records, of
+  which rank r takes its slice. All ranks yield the same number of batches per
+  epoch, by construction (see slicing.py for the tail rule).
+- async (`mode="async"`): each rank leases whole shards for itself; fast ranks
+  take more. For evaluation and independent consumers, not for DDP.
+- local (no DLFLEET_MASTER, e.g. plain torchrun): a warning, then the same
+  slicing over the seeded permutation of each epoch, no master involved.
+
+Invariants:
+- `__iter__` yields one epoch; iterating again continues with the next epoch,
+  until the dataset's `epochs` are done (then iterations are empty).
+- A batch counts as trained once the loop asks for the next one (or calls
+  `state_dict`, or iterates again after a `break`); only then are its records
+  acked or counted in a snapshot.
+- `load_state_dict` must come before the first iteration of the process:
+  in sync mode it restores the master's progress for this round before the
+  round's first lease, so the round's positions start at 0 after it.
+- With num_workers > 0 and a master, worker processes start from a
+  forkserver unless `multiprocessing_context` says otherwise: forking a
+  process whose gRPC threads are live is unsafe. The dataset must pickle.
+- The constructor does no I/O; the master is first contacted on the first
+  iteration, `state_dict` or `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dlfleet.api.client import MasterClient
+from dlfleet.api.errors import InvalidArgument, NotFound
+from dlfleet.api.permutation import EpochPermutation
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
+from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
+from dlfleet.worker.loader.streams import EpochStream, LeasedStream, LocalStream
+
+MAX_NAME_LENGTH = 200
+# Spec fields that must agree with an earlier registration. batch_size and
+# shard_size may differ: a later round with another world size registers a
+# different global batch, and positions mean the same either way.
+_MUST_MATCH = ("size", "epochs", "shuffle", "seed", "drop_last")
+
+
+class ShardedDataLoader:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int = 1,
+        shard_size: int = 0,
+        drop_last: bool = False,
+        name: str | None = None,
+        mode: str | None = None,
+        environment: LoaderEnvironment | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.size = len(dataset)  # type: ignore[arg-type]
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epochs = epochs
+        self.shard_size = shard_size
+        self.drop_last = drop_last
+        self.name = name or _default_name(dataset)
+        self.env = environment or LoaderEnvironment.detect()
+        self.mode = _decide_mode(mode, self.env)
+        world = self.env.world_size if self.mode is not LoaderMode.ASYNC else 1
+        self.global_batch = batch_size * world
+        self._world = world
+        self._rank = self.env.rank if self.mode is not LoaderMode.ASYNC else 0
+        self._epoch_length = _epoch_length(self.size, self.global_batch, drop_last)
+        self._client: MasterClient | None = None
+        self._registered = False
+        self._pending_restore: shards_pb2.DatasetSnapshot | None = None
+        self._permutation: tuple[int, EpochPermutation] | None = None
+        self.stream: EpochStream
+        if self.mode is LoaderMode.LOCAL:
+            self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
+        self._sampler = _StreamBatchSampler(self)
+        if num_workers > 0 and self.mode is not LoaderMode.LOCAL:
+            # The lease thread and gRPC's threads run while the DataLoader
+            # starts its workers; a fork() then can crash the child in
+            # gRPC's or Python's after-fork handlers. Fork from a clean server.
+            dataloader_kwargs.setdefault("multiprocessing_context", "forkserver")
+        self._loader = DataLoader(
+            dataset,
+            batch_sampler=self._sampler,
+            num_workers=num_workers,
+            collate_fn=_EmptySafeCollate(collate_fn),
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            **dataloader_kwargs,
+        )
+
+    # ---------------------------------------------------------------- API
+
+    def __iter__(self) -> Iterator[Any]:
+        stream = self._start()
+        stream.begin_iteration()
+        if stream.dataset_ended:
+            return
+        inner = iter(self._loader)
+        while True:
+            # Asking for the next batch means the step of the last one is done.
+            stream.complete_received()
+            try:
+                batch = next(inner)
+            except StopIteration:
+                break
+            stream.received()
+            yield batch
+        stream.end_iteration()
+
+    def __len__(self) -> int:
+        """Batches per rank in a full epoch (a resumed epoch yields fewer)."""
+        if self.mode is LoaderMode.ASYNC:
+            raise TypeError("an async ShardedDataLoader has no length: fast ranks take more")
+        return batches_per_epoch(self._epoch_length, self.global_batch, self._world)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for DistributedSampler compatibility; epochs come from the
+        master (or from iterating again) instead."""
+        del epoch
+
+    @property
+    def epoch(self) -> int:
+        return max(self.stream.epoch, 0) if hasattr(self, "stream") else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress as of the last batch the loop received (call it between
+        steps, after the step that trained that batch)."""
+        if self.mode is LoaderMode.LOCAL:
+            assert isinstance(self.stream, LocalStream)
+            return {"mode": self.mode.value, "dataset": self.name, **self.stream.state()}
+        stream = self._leased_stream()
+        snapshot = stream.snapshot()
+        return {
+            "mode": self.mode.value,
+            "dataset": self.name,
+            "epoch": snapshot.epoch,
+            "snapshot": snapshot.SerializeToString(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state`: before the first iteration of this process."""
+        if state.get("mode") != self.mode.value:
+            raise InvalidArgument(
+                f"a {state.get('mode')!r} loader state cannot resume a {self.mode.value!r} loader"
+            )
+        if self.mode is LoaderMode.LOCAL:
+            assert isinstance(self.stream, LocalStream)
+            self.stream.restore(state)
+            return
+        stream = self._leased_stream()
+        if stream.started:
+            raise InvalidArgument("load_state_dict must be called before iterating the loader")
+        self._pending_restore = shards_pb2.DatasetSnapshot.FromString(state["snapshot"])
+
+    def close(self) -> None:
+        if hasattr(self, "stream") and isinstance(self.stream, LeasedStream):
+            self.stream.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> ShardedDataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- internals
+
+    def indices(self, positions: Sequence[int], epoch: int) -> list[int]:
+        if self._permutation is None or self._permutation[0] != epoch:
+            perm = EpochPermutation(self.size, self.seed, epoch, self.shuffle)
+            self._permutation = (epoch, perm)
+        perm = self._permutation[1]
+        return [perm[p] for p in positions]
+
+    def rank_slice(self, batch: GlobalBatch) -> list[int]:
+        return self.indices(batch.rank_positions(self._rank, self._world), batch.epoch)
+
+    def _start(self) -> EpochStream:
+        if self.mode is LoaderMode.LOCAL:
+            return self.stream
+        stream = self._leased_stream()
+        if not stream.started:
+            if self._pending_restore is not None:
+                assert self._client is not None
+                self._client.restore(self._pending_restore, round=self.env.round)
+                self._pending_restore = None
+            stream.start()
+        return stream
+
+    def _leased_stream(self) -> LeasedStream:
+        """Connect and register once per process; the stream of this mode."""
+        if not self._registered:
+            assert self.env.master is not None
+            if self.mode is LoaderMode.SYNC and self.env.round < 1:
+                raise InvalidArgument(
+                    "a sync ShardedDataLoader needs DLFLEET_ROUND >= 1 (set by dlworker)"
+                )
+            self._client = MasterClient(self.env.master, token=self.env.token)
+            self._register(self._client)
+            self.stream = LeasedStream(
+                self._client, self.name, self.env, self.mode, self.global_batch, self._world
+            )
+            self._registered = True
+        assert isinstance(self.stream, LeasedStream)
+        return self.stream
+
+    def _register(self, client: MasterClient) -> None:
+        spec = shards_pb2.DatasetSpec(
+            name=self.name,
+            size=self.size,
+            batch_size=self.global_batch,
+            shard_size=self.shard_size,
+            epochs=self.epochs,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        try:
+            status = client.register_dataset(spec).status
+        except InvalidArgument as conflict:
+            try:
+                status = client.dataset_status(self.name)
+            except NotFound:
+                raise conflict from None
+            diff = [f for f in _MUST_MATCH if getattr(status.spec, f) != getattr(spec, f)]
+            if diff:
+                raise InvalidArgument(
+                    f"dataset {self.name!r} is registered with a different "
+                    + ", ".join(f"{f} ({getattr(status.spec, f)!r})" for f in diff)
+                    + "; pass another name= for another dataset"
+                ) from None
+        # The first registration decides where the epoch is cut (drop_last).
+        self._epoch_length = status.records_per_epoch
+
+
+class _StreamBatchSampler(Sampler[list[int]]):
+    """The DataLoader's batch sampler: this rank's record indices of each
+    global batch of the loader's stream. Runs in the main process."""
+
+    def __init__(self, loader: ShardedDataLoader) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self._loader.stream.batches():
+            yield self._loader.rank_slice(batch)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+class _EmptySafeCollate:
+    """The user's collate_fn (default: torch's), except that a rank's empty
+    batch stays an empty list; see slicing.py for when a rank gets none."""
+
+    def __init__(self, inner: Callable[[list[Any]], Any] | None) -> None:
+        self._inner = inner
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if not batch:
+            return []
+        if self._inner is None:
+            from torch.utils.data import default_collate
+
+            return default_collate(batch)
+        return self._inner(batch)
+
+
+def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
+    if mode not in (None, "sync", "async"):
+        raise InvalidArgument(f"mode must be 'sync' or 'async', got {mode!r}")
+    if env.master is None:
+        warnings.warn(
+            "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset); "
+            "falling back to rank-based sharding without fault tolerance",
+            stacklevel=3,
+        )
+        return LoaderMode.LOCAL
+    return LoaderMode.ASYNC if mode == "async" else LoaderMode.SYNC
+
+
+def _default_name(dataset: Dataset[Any]) -> str:
+    cls = type(dataset)
+    return f"{cls.__module__}.{cls.__qualname__}"[:MAX_NAME_LENGTH]
+
+
+def _epoch_length(size: int, global_batch: int, drop_last: bool) -> int:
+    return size - size % global_batch if drop_last else size

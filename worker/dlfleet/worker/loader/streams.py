@@ -1,0 +1,225 @@
+"""The loader's epoch state: where global batches come from, which of them the
+training loop has finished, and how that becomes acks and checkpoints.
+
+A stream hands out the global batches of the current epoch (`batches`), in
+order, and remembers every batch handed to the DataLoader until the training
+loop completes it (`issued`). The DataLoader prefetches, so "handed out" is not
+"trained": a batch is *completed* only when the loop asks for the batch after
+it (or calls `state_dict`, or starts a new iteration after a `break`), which
+the user's loop does only after the step that consumed it finished.
+
+Invariants:
+- `issued` holds, in order, the batches handed to the DataLoader and not yet
+  completed; completing always takes its head (DataLoader yields in order).
+- An iteration abandoned mid-epoch is resumed: the batches the DataLoader had
+  prefetched but the loop never received are handed out again, first.
+- A batch cut but not yet handed out waits in `ready`, never in a generator's
+  frame, so abandoning the DataLoader's iterator loses nothing.
+- With a master, a lease is acked only when every record of it was in a
+  completed batch (see ledger.py); a snapshot counts exactly the completed
+  batches. Without one, the state is (epoch, batches completed).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from dlfleet.api.client import MasterClient
+from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
+from dlfleet.worker.loader.fetcher import EndOfDataset, EndOfEpoch, LeasedShard, LeaseFetcher
+from dlfleet.worker.loader.ledger import LeaseLedger
+from dlfleet.worker.loader.slicing import BatchCutter, GlobalBatch, Segment
+
+ACK_FLUSH_TIMEOUT_S = 30.0
+
+
+class EpochStream(abc.ABC):
+    """What both kinds of stream share: the issued batches and the loop's
+    progress through them."""
+
+    def __init__(self, global_batch: int, world_size: int) -> None:
+        self.global_batch = global_batch
+        self.world_size = world_size
+        self.issued: deque[GlobalBatch] = deque()
+        self.ready: deque[GlobalBatch] = deque()  # cut, not yet handed out
+        self.user_pending = 0  # batches the loop received and has not finished
+        self.epoch = 0
+        self.epoch_ended = True  # the next iteration starts a new epoch
+        self.dataset_ended = False
+
+    def begin_iteration(self) -> None:
+        self.complete_received()
+        if self.epoch_over:
+            self.epoch_ended = False
+            self._next_epoch()
+
+    @property
+    def epoch_over(self) -> bool:
+        """The epoch's last batch was handed out and trained."""
+        return self.epoch_ended and not self.ready and not self.issued
+
+    def batches(self) -> Iterator[GlobalBatch]:
+        """The DataLoader's view: replay of what it lost, then new batches."""
+        yield from list(self.issued)
+        while True:
+            if self.ready:
+                batch = self.ready.popleft()
+                self.issued.append(batch)
+                yield batch
+            elif self.epoch_ended:
+                return
+            else:
+                self._fill()
+
+    def received(self) -> None:
+        self.user_pending += 1
+
+    def complete_received(self) -> None:
+        while self.user_pending:
+            self.user_pending -= 1
+            self._complete(self.issued.popleft())
+
+    def end_iteration(self) -> None:
+        """The loop asked past the last batch: all it received is trained."""
+        self.complete_received()
+
+    @abc.abstractmethod
+    def _next_epoch(self) -> None:
+        """Move to the next epoch."""
+
+    @abc.abstractmethod
+    def _fill(self) -> None:
+        """Cut more batches into `ready`, or mark the epoch ended."""
+
+    @abc.abstractmethod
+    def _complete(self, batch: GlobalBatch) -> None:
+        """`batch` was trained: record it."""
+
+
+class LeasedStream(EpochStream):
+    """Global batches cut from shards leased from the master, to the round
+    (sync) or to this rank (async)."""
+
+    def __init__(
+        self,
+        client: MasterClient,
+        dataset: str,
+        env: LoaderEnvironment,
+        mode: LoaderMode,
+        global_batch: int,
+        world_size: int,
+    ) -> None:
+        super().__init__(global_batch, world_size)
+        self.client = client
+        self.dataset = dataset
+        self.env = env
+        self.mode = mode
+        self.ledger = LeaseLedger()
+        self.fetcher: LeaseFetcher | None = None
+        self._cutter: BatchCutter | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.fetcher is not None
+
+    def start(self) -> None:
+        if self.fetcher is None:
+            self.fetcher = LeaseFetcher(self.client, self.ledger, self.dataset, self.env, self.mode)
+            self.fetcher.start()
+
+    def _next_epoch(self) -> None:
+        self._cutter = None
+
+    def _fill(self) -> None:
+        assert self.fetcher is not None, "start() the stream before iterating"
+        outcome = self.fetcher.next_outcome()
+        if isinstance(outcome, LeasedShard):
+            cutter = self._cutter
+            if cutter is None or cutter.epoch != outcome.epoch:
+                if cutter is not None and cutter.buffered:
+                    raise RuntimeError(
+                        f"dataset {self.dataset!r}: a shard of epoch {outcome.epoch} came "
+                        f"before the end of epoch {cutter.epoch}"
+                    )
+                cutter = self._cutter = BatchCutter(
+                    self.global_batch, self.world_size, outcome.epoch
+                )
+                self.epoch = outcome.epoch
+            self.ready.extend(cutter.push(Segment(outcome.lease_id, outcome.start, outcome.end)))
+        elif isinstance(outcome, EndOfEpoch):
+            if self._cutter is not None:
+                self.ready.extend(self._cutter.finish())
+            self._cutter = None
+            self.epoch_ended = True
+        else:
+            assert isinstance(outcome, EndOfDataset)
+            self.dataset_ended = self.epoch_ended = True
+
+    def _complete(self, batch: GlobalBatch) -> None:
+        self.ledger.consume(batch)
+        if self.fetcher is not None:
+            self.fetcher.poke()
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        if self.epoch_over:
+            # The last step of the epoch is done: wait until the master has its
+            # acks, so a process that exits now leaves the epoch complete.
+            if self.fetcher is not None:
+                self.fetcher.poke()
+            self.ledger.wait_acked(ACK_FLUSH_TIMEOUT_S)
+
+    def snapshot(self) -> shards_pb2.DatasetSnapshot:
+        self.complete_received()
+        round_ = self.env.round if self.mode is LoaderMode.SYNC else 0
+        return self.client.snapshot(self.dataset, round=round_, progress=self.ledger.progress())
+
+    def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.stop()
+
+
+class LocalStream(EpochStream):
+    """No master: each epoch is one range of positions, sliced like a round's
+    shards, so every rank yields the same number of batches and no record is
+    repeated or dropped (except the cut a `drop_last` asks for)."""
+
+    def __init__(self, epoch_length: int, epochs: int, global_batch: int, world_size: int) -> None:
+        super().__init__(global_batch, world_size)
+        self.epoch_length = epoch_length
+        self.epochs = epochs
+        self.epoch = -1
+        self.completed = 0  # batches of `epoch` the loop finished
+        self._skip = 0
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.completed, skip, self._skip = self._skip, self._skip, 0
+        self.epoch_ended = True  # all of the epoch's batches are cut at once
+        if self.epoch >= self.epochs:
+            self.dataset_ended = True
+            return
+        cutter = BatchCutter(self.global_batch, self.world_size, self.epoch)
+        batches = [*cutter.push(Segment(0, 0, self.epoch_length)), *cutter.finish()]
+        self.ready.extend(batches[skip:])
+
+    def _fill(self) -> None:
+        raise AssertionError("a local epoch is cut whole when it starts")
+
+    def _complete(self, batch: GlobalBatch) -> None:
+        self.completed += 1
+
+    def state(self) -> dict[str, Any]:
+        self.complete_received()
+        return {"epoch": max(self.epoch, 0), "batches": self.completed}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if self.epoch >= 0:
+            raise InvalidArgument("load_state_dict must be called before iterating the loader")
+        self.epoch = int(state["epoch"]) - 1
+        self._skip = int(state["batches"])

@@ -1,0 +1,156 @@
+"""Stock torchrun as a dlfleet client:
+
+    torchrun --rdzv-backend=dlfleet --rdzv-endpoint=MASTER_HOST:PORT \\
+             --nnodes=1:4 --nproc-per-node=2 train.py
+
+Registered under the `torchrun.handlers` entry-point group. torchrun's own
+agent keeps launching and restarting the workers; the world is formed by the
+dlfleet master: each `next_rendezvous()` is one blocking Join. Every round gets
+a fresh TCPStore for torchrun's control plane, hosted by group rank 0 on the
+port it offered at join, so no key of an earlier round is ever read again (the
+failure mode of torchrun's c10d backend after a crashed rank). The master's
+re-rendezvous push, not polling, is what `num_nodes_waiting()` reports.
+
+The job token comes from `--rdzv-conf token=...` or $DLFLEET_TOKEN; the job
+name from `--rdzv-conf job_name=...` (default "job", dlmaster's default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+from torch.distributed import (  # type: ignore[attr-defined]  # exported at run time only
+    Store,
+    TCPStore,
+)
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.errors import DlfleetError, Unavailable
+from dlfleet.worker.agent.loop import free_port
+
+_log = logging.getLogger(__name__)
+
+BACKEND = "dlfleet"
+STORE_TIMEOUT = timedelta(seconds=120)
+
+
+class DlfleetRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters) -> None:
+        token = str(params.config.get("token") or os.environ.get("DLFLEET_TOKEN", ""))
+        if not token:
+            raise RendezvousError("dlfleet rendezvous needs the job token: $DLFLEET_TOKEN")
+        self._params = params
+        self._host = params.local_addr or "127.0.0.1"
+        self._client = MasterClient(params.endpoint, token=token)
+        self._job = str(params.config.get("job_name", "job"))
+        self._name = f"{socket.gethostname()}-{os.getpid()}"
+        self._node_id = ""
+        self._incarnation = 0
+        self._session: AgentSession | None = None
+        self._round = 0
+        self._closed = False
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError()
+        try:
+            if self._session is None:
+                self._register()
+            assert self._session is not None
+            while not self._session.events.empty():
+                self._session.events.get_nowait()
+            joined = self._client.join_rendezvous(
+                node_id=self._node_id,
+                incarnation=self._incarnation,
+                local_world_size=1,
+                host=self._host,
+                bootstrap_port=free_port(self._host),
+            )
+        except Unavailable as error:
+            raise RendezvousConnectionError(str(error)) from error
+        except DlfleetError as error:
+            raise RendezvousError(str(error)) from error
+        self._round = joined.round
+        self._session.round = joined.round
+        store: Store = TCPStore(
+            joined.bootstrap_host,
+            joined.bootstrap_port,
+            world_size=joined.group_world_size,
+            is_master=joined.group_rank == 0,
+            timeout=STORE_TIMEOUT,
+            wait_for_workers=False,
+        )
+        bootstrap = RendezvousStoreInfo.build(joined.group_rank, store, self._host)
+        _log.info(
+            "dlfleet round %d: group rank %d of %d", joined.round, joined.group_rank,
+            joined.group_world_size,
+        )  # fmt: skip
+        return RendezvousInfo(store, joined.group_rank, joined.group_world_size, bootstrap)
+
+    def _register(self) -> None:
+        registered = self._client.register_node(
+            job_name=self._job, node_name=self._name, local_world_size=1, host=self._host
+        )
+        self._node_id, self._incarnation = registered.node_id, registered.incarnation
+        interval = max(registered.heartbeat_interval_ms, 100) / 1000
+        self._session = self._client.agent_session(self._node_id, self._incarnation, interval)
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        """Non-zero once the master pushed a re-rendezvous for our round:
+        torchrun's agent then restarts its workers and joins again."""
+        session = self._session
+        if session is None:
+            return 0
+        for event in list(session.events.queue):
+            if event.HasField("re_rendezvous") and event.re_rendezvous.closed_round >= self._round:
+                return 1
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._params.run_id
+
+    def shutdown(self) -> bool:
+        if self._session is not None:
+            try:
+                self._client.leave_rendezvous(self._node_id, self._incarnation, "succeeded")
+            except DlfleetError as error:
+                _log.warning("leaving the dlfleet rendezvous failed: %s", error)
+            self._session.close()
+            self._session = None
+        self._client.close()
+        return True
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return DlfleetRendezvousHandler(params)
+
+
+def handler_creator() -> object:
+    """The `torchrun.handlers` entry point: torch calls it once and registers
+    what it returns as the creator of `--rdzv-backend=dlfleet` handlers."""
+    return create_handler
