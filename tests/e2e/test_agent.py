@@ -226,7 +226,7 @@ def test_an_unreachable_master_ends_in_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "DLFLEET_CONNECT_BUDGET": "2"}
     started = time.monotonic()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 1
+    assert done.returncode == 3  # the node is lost to the job; a platform may replace it
     assert "cannot register with the master at 127.0.0.1:1" in done.stderr
     assert time.monotonic() - started < 30
 

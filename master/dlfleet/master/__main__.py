@@ -1,9 +1,13 @@
-"""`dlmaster`: run the master's gRPC server on a durable store.
+"""`dlmaster`: run a job, or the master's gRPC server alone.
 
+    dlmaster --job-config job.yaml          # run a whole job (see jobconfig.py)
+    dlmaster scale --job-config job.yaml --nodes 2
+    dlmaster status --job-config job.yaml
     dlmaster --port 50051 --state-store sqlite:///job.db --token-file token.txt
 
-Prints `listening on HOST:PORT` once it accepts requests. A master started
-again on the same store continues where the last one stopped.
+Serve mode prints `listening on HOST:PORT` once it accepts requests. Either
+way, a master started again on the same store continues where the last one
+stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts.
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ TOKEN_ENV = "DLFLEET_TOKEN"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlmaster", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="dlmaster",
+        description=__doc__.split("\n\n")[0],
+        epilog="Also: `dlmaster scale ...` and `dlmaster status ...` (see --help of each).",
+    )
+    p.add_argument(
+        "--job-config",
+        type=Path,
+        help="run the job this job.yaml describes, to its end (other flags are ignored)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     p.add_argument(
@@ -109,8 +122,17 @@ async def _serve(args: argparse.Namespace, token: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("scale", "status"):
+        from dlfleet.master.control import control_main
+
+        return control_main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.job_config is not None:
+        from dlfleet.master.run_job import run_job_main
+
+        return run_job_main(args.job_config, args.log_level)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if min(args.lease_timeout, args.heartbeat_interval, args.heartbeat_timeout) <= 0:

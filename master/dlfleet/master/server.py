@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -240,6 +240,7 @@ class MasterServer:
         port: int = 0,
         clock: Clock = system_clock,
         tick_ms: int | None = None,
+        extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
     ) -> None:
         if not token:
             raise InvalidArgument("the master needs a non-empty job token")
@@ -251,6 +252,8 @@ class MasterServer:
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.membership: Membership | None = None
+        self.rendezvous: RendezvousService | None = None
+        self._extra_services = extra_services
         self.port = 0
 
     async def start(self) -> int:
@@ -273,9 +276,10 @@ class MasterServer:
         nodes_pb2_grpc.add_NodesServicer_to_server(
             NodesService(self.state, self.clock, durable, membership), server
         )
-        rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
-            RendezvousService(self.state, self.clock, durable, membership), server
-        )
+        self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
+        rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
+        for add_service in self._extra_services:
+            add_service(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         self.port = server.add_insecure_port(self._address)

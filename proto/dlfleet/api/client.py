@@ -30,6 +30,8 @@ import grpc
 from dlfleet.api.errors import Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
 from dlfleet.api.v1 import (
+    job_pb2,
+    job_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
     rendezvous_pb2,
@@ -109,6 +111,7 @@ class MasterClient:
         self._shards = shards_pb2_grpc.ShardsStub(self._channel)
         self._nodes = nodes_pb2_grpc.NodesStub(self._channel)
         self._rendezvous = rendezvous_pb2_grpc.RendezvousStub(self._channel)
+        self._job = job_pb2_grpc.JobStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -255,6 +258,15 @@ class MasterClient:
         """A LeaseStream session for one consumer thread: the cheapest way to
         lease shard after shard (one message each way per shard)."""
         return LeaseSession(self)
+
+    # ----------------------------------------------------------------- job
+
+    def job_status(self) -> job_pb2.JobStatus:
+        return self._call("GetStatus", self._job.GetStatus, job_pb2.JobStatusRequest())
+
+    def scale(self, nodes: int) -> job_pb2.ScaleResponse:
+        """Ask the job's platform for `nodes` nodes (within the job's min..max)."""
+        return self._call("Scale", self._job.Scale, job_pb2.ScaleRequest(nodes=nodes))
 
     # --------------------------------------------------------------- nodes
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dlfleet.api.processes import die_with_parent
 from dlfleet.worker.agent.config import AgentConfig, StreamSpec
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.workers import (
@@ -26,7 +27,6 @@ from dlfleet.worker.agent.workers import (
     GroupStatus,
     WorkerGroup,
     WorkerStartError,
-    _die_with_parent,
     attempt_log_dir,
 )
 
@@ -457,7 +457,7 @@ def test_a_worker_whose_agent_died_before_the_signal_was_armed_never_starts(
     """The window between fork and setpriv's prctl: the guard sees a parent
     other than the agent and exits before the training script runs."""
     marker = tmp_path / "ran"
-    command = _die_with_parent([sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    command = die_with_parent([sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
     agent_pid = str(os.getpid())
     assert agent_pid in command
     command[command.index(agent_pid)] = "1"  # as if adopted by init

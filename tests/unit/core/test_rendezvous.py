@@ -105,6 +105,21 @@ def test_a_late_node_is_a_spare_when_the_round_is_full() -> None:
     assert round_ is not None and {m.node_id for m in round_.members} == {"a", "c"}
 
 
+def test_a_finished_member_leaves_the_round_open_until_every_member_finished() -> None:
+    r = rdzv(min_nodes=1, max_nodes=2)
+    join(r, "a", 0)
+    join(r, "b", 0)
+    active = r.state.active
+    assert active is not None
+    assert not any(isinstance(e, RoundClosed) for e in r.remove("a", "succeeded", 10, False))
+    assert r.state.active is active  # b is still in its last steps
+    events = r.remove("b", "succeeded", 20, close_round=False)
+    assert any(isinstance(e, RoundClosed) and e.expected == () for e in events)
+    # A node that comes later (a relaunch) is not stuck behind a finished round.
+    round_ = formed(join(r, "c", 30)) or formed(r.tick(30 + LAST_CALL))
+    assert round_ is not None and [m.node_id for m in round_.members] == ["c"]
+
+
 def test_a_dead_member_closes_the_round_and_survivors_reform_without_last_call() -> None:
     r = rdzv(min_nodes=1, max_nodes=3)
     for node in "abc":
@@ -216,6 +231,10 @@ class RendezvousMachine(RuleBasedStateMachine):
     def dies(self, node: str) -> None:
         self._record(self.r.remove(node, "died", self.now))
 
+    @rule(node=st.sampled_from("abcdefg"))
+    def finishes(self, node: str) -> None:
+        self._record(self.r.remove(node, "succeeded", self.now, close_round=False))
+
     @rule(dt=st.integers(1, 200))
     def time_passes(self, dt: int) -> None:
         self.now += dt
@@ -238,6 +257,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         assert cfg.min_nodes <= s.active.world_size <= cfg.max_nodes
         assert s.active.world_size % cfg.node_unit == 0
         assert not {m.node_id for m in s.active.members} & set(s.waiting)
+        assert s.finished < {m.node_id for m in s.active.members}  # all done: closed
 
     @invariant()
     def journal_replay_rebuilds_the_state(self) -> None:

@@ -9,7 +9,9 @@ Rules (SPEC section 3):
 - Exclusivity: a node that joins while a round is active waits for the next
   one. If the active round could grow with it, the round is closed at once (the
   members are told to re-rendezvous); if the round is full, the node is a spare.
-- A member that dies or leaves closes the round; the survivors re-join.
+- A member that dies or leaves closes the round; the survivors re-join. A
+  member whose workers finished leaves without closing it (the others may be
+  in their last steps); once every member has finished, the round ends.
 - Group ranks are 0..W-1; members of the previous round keep their relative
   order first (so a surviving node's rank is stable where it can be), then new
   nodes in join order. Global ranks follow torchrun: prefix sums of local world
@@ -137,6 +139,14 @@ class RoundClosed(RendezvousEvent):
 
 
 @dataclass(frozen=True)
+class MemberFinished(RendezvousEvent):
+    """A member of the active round left with its work done."""
+
+    round: int
+    node_id: str
+
+
+@dataclass(frozen=True)
 class RoundFormed(RendezvousEvent):
     round: int
     members: tuple[Member, ...]
@@ -146,7 +156,8 @@ class RoundFormed(RendezvousEvent):
 
 
 RENDEZVOUS_EVENTS: dict[str, type[RendezvousEvent]] = {
-    kind.__name__: kind for kind in (NodeJoined, NodeDropped, RoundClosed, RoundFormed)
+    kind.__name__: kind
+    for kind in (NodeJoined, NodeDropped, RoundClosed, RoundFormed, MemberFinished)
 }
 
 
@@ -162,6 +173,7 @@ class RendezvousState:
     previous_ranks: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)  # node -> why, until it joins again
     closed_reason: str = ""
+    finished: set[str] = field(default_factory=set)  # members of the active round
 
 
 class Rendezvous:
@@ -210,9 +222,14 @@ class Rendezvous:
         state = self.state
         events: list[RendezvousEvent] = []
         active = state.active
-        if close_round and active is not None and active.member(node_id) is not None:
-            survivors = tuple(m.node_id for m in active.members if m.node_id != node_id)
-            self._emit(events, RoundClosed(active.round, f"{node_id} {reason}", survivors))
+        if active is not None and active.member(node_id) is not None:
+            if close_round:
+                survivors = tuple(m.node_id for m in active.members if m.node_id != node_id)
+                self._emit(events, RoundClosed(active.round, f"{node_id} {reason}", survivors))
+            else:
+                self._emit(events, MemberFinished(active.round, node_id))
+                if len(state.finished) == active.world_size:
+                    self._emit(events, RoundClosed(active.round, "every member finished", ()))
         if node_id in state.waiting or node_id in state.expected:
             self._emit(events, NodeDropped(node_id, reason))
         events += self.tick(now_ms)
@@ -291,12 +308,17 @@ class Rendezvous:
             state.expected = set(event.expected) | set(state.waiting)
             state.active = None
             state.closed_reason = event.reason
+            state.finished = set()
+        elif isinstance(event, MemberFinished):
+            assert state.active is not None and state.active.round == event.round
+            state.finished.add(event.node_id)
         elif isinstance(event, RoundFormed):
             state.active = Round(
                 event.round, event.members, event.bootstrap_host, event.bootstrap_port,
                 event.formed_ms,
             )  # fmt: skip
             state.last_round = event.round
+            state.finished = set()
             for member in event.members:
                 state.waiting.pop(member.node_id, None)
             state.expected = set()

@@ -7,8 +7,15 @@ One state object per phase, advanced by `step()` (Ray Train's controller):
                                                           restart consumed)
                        -> Rejoining(reason)  -> Joining  (the world changed:
                                                           no restart consumed)
-                       -> Failed(failure)                 (restarts exhausted)
+                       -> Failed(failure)                 (restarts exhausted:
+                                                          exit 1)
+                       -> Failed(None)                    (this node lost the
+                                                          job: exit 3)
                        -> Preempted                       (SIGTERM: exit 0)
+
+Exit 1 means the training itself failed; exit 3 means the node could not take
+part (master unreachable, dropped for missed heartbeats, rendezvous timed out),
+so a platform may replace it.
 
 What makes restarts never hang: the master pushes "re-rendezvous" on the
 agent's session the moment a peer dies or a node waits, and the agent then
@@ -77,6 +84,10 @@ class Rejoining:
     restart_count: int
 
 
+EXIT_WORKERS_FAILED = 1
+EXIT_NODE_LOST = 3
+
+
 @dataclass(frozen=True)
 class Succeeded:
     pass
@@ -127,8 +138,8 @@ class Agent:
     # ---------------------------------------------------------------- life
 
     def run(self) -> int:
-        """Run until the workers succeed (0), fail for good (1), or the agent
-        is preempted (0)."""
+        """Run until the workers succeed (0), fail for good (1), the node is
+        lost to the job (3), or the agent is preempted (0)."""
         try:
             registered = self.client.register_node(
                 job_name=self.config.job_name,
@@ -138,7 +149,7 @@ class Agent:
             )
         except DlfleetError as error:
             _log.error("cannot register with the master at %s: %s", self.config.master, error)
-            return 1
+            return EXIT_NODE_LOST
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
@@ -153,7 +164,7 @@ class Agent:
             self.client.close()
         if isinstance(phase, Failed):
             _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
-            return 1
+            return EXIT_WORKERS_FAILED if phase.failure is not None else EXIT_NODE_LOST
         return 0
 
     def step(self, phase: Phase) -> Phase:

@@ -38,7 +38,6 @@ import enum
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from dlfleet.api.errors import DlfleetError
+from dlfleet.api.processes import die_with_parent
 from dlfleet.worker.agent.config import AgentConfig, Std
 
 logger = logging.getLogger(__name__)
@@ -98,34 +98,6 @@ class GroupState:
     status: GroupStatus
     exit_codes: tuple[int | None, ...]  # by local rank; None while running
     failure: WorkerFailure | None = None
-
-
-def _die_with_parent(command: list[str]) -> list[str]:
-    """Prefix `command` so the worker gets SIGKILL when its agent dies (Linux's
-    parent-death signal, set by util-linux's `setpriv` right before it execs the
-    worker). A SIGKILLed agent then leaves no orphan training in a stale round.
-    Not `preexec_fn`: running Python in a child forked from the agent, whose
-    gRPC threads are live, can crash that child before it execs."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or not sys.platform.startswith("linux") or not os.path.exists("/bin/sh"):
-        return command
-    if shutil.which(command[0]) is None:
-        return command  # let Popen report the missing program itself
-    # setpriv sets the signal after the fork: an agent killed in between would
-    # leave the worker orphaned with no signal armed. The shell checks, once the
-    # signal is armed, that its parent is still the agent, and only then execs.
-    guard = 'test "$PPID" = "$0" || exit 137; exec "$@"'
-    return [
-        setpriv,
-        "--pdeathsig",
-        "KILL",
-        "--",
-        "/bin/sh",
-        "-c",
-        guard,
-        str(os.getpid()),
-        *command,
-    ]
 
 
 def worker_command(config: AgentConfig, python: str) -> list[str]:
@@ -291,7 +263,7 @@ class WorkerGroup:
             raise ValueError(f"{len(envs)} environments for {config.nproc_per_node} processes")
         self._started = True
         python = os.environ.get("PYTHON_EXEC", sys.executable)
-        command = _die_with_parent(worker_command(config, python))
+        command = die_with_parent(worker_command(config, python))
         attempt = attempt_log_dir(log_dir, round_id)
         for local_rank, env in enumerate(envs):
             try:

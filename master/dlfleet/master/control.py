@@ -1,0 +1,88 @@
+"""`dlmaster scale` and `dlmaster status`: talk to a running job's master.
+
+    dlmaster scale --job-config job.yaml --nodes 2
+    dlmaster status --job-config job.yaml [--json]
+    dlmaster status --master HOST:PORT --token-file FILE
+
+With --job-config, the master's address and the token come from the job's
+workdir (written by the running `dlmaster --job-config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+
+from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.errors import DlfleetError
+from dlfleet.master.display import status_lines
+from dlfleet.master.job import job_token, read_master_file
+from dlfleet.master.jobconfig import load_job_config
+
+TOKEN_ENV = "DLFLEET_TOKEN"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlmaster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext in (("scale", "change the number of nodes"), ("status", "show the job")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("--job-config", type=Path, help="the job.yaml of the running job")
+        c.add_argument("--master", help="HOST:PORT of the master (instead of --job-config)")
+        c.add_argument("--token-file", type=Path, help=f"the job token (or ${TOKEN_ENV})")
+        if name == "scale":
+            c.add_argument("--nodes", type=int, required=True, help="nodes wanted")
+        else:
+            c.add_argument("--json", action="store_true", help="print the status as JSON")
+    return p
+
+
+def control_main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.job_config is not None:
+            config = load_job_config(args.job_config)
+            master, token = read_master_file(config), job_token(config)
+        elif args.master:
+            master = args.master
+            token = (
+                args.token_file.read_text().strip()
+                if args.token_file
+                else os.environ.get(TOKEN_ENV, "")
+            )
+        else:
+            parser.error("give --job-config or --master")
+    except (DlfleetError, OSError) as exc:
+        print(f"dlmaster {args.command}: {exc}", file=sys.stderr)
+        return 2
+    retry = RetryPolicy(attempts=3, max_backoff_s=0.5, total_budget_s=5.0)
+    with MasterClient(master, token=token, retry=retry) as client:
+        try:
+            if args.command == "scale":
+                answer = client.scale(args.nodes)
+                print(f"scaled from {answer.previous} to {answer.nodes} nodes")
+                return 0
+            status = client.job_status()
+        except DlfleetError as exc:
+            print(f"dlmaster {args.command}: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(
+            json.dumps(
+                MessageToDict(
+                    status,
+                    preserving_proto_field_name=True,
+                    always_print_fields_with_no_presence=True,
+                ),
+                indent=2,
+            )
+        )
+    else:
+        print("\n".join(status_lines(status)))
+    return 0

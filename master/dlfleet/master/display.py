@@ -1,0 +1,163 @@
+"""What a running job shows in the terminal.
+
+`LiveDisplay` (a TTY): the nodes' output scrolls as usual, and a status block
+stays at the bottom, redrawn in place (round, nodes, shards done/total per
+dataset, samples/s, ETA, last failure). `PlainDisplay` (a pipe, a CI log): the
+same output lines, and the status as one plain log line every `every_s`
+seconds. Both take lines from several threads (node output readers, logging),
+so writes are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import threading
+import time
+from typing import TextIO
+
+from dlfleet.api.v1 import job_pb2
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 0:
+        return "?"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def status_lines(status: job_pb2.JobStatus) -> list[str]:
+    """The status block: a few short lines, the same on a TTY and in a log."""
+    states: dict[str, int] = {}
+    for node in status.nodes:
+        states[node.state] = states.get(node.state, 0) + 1
+    nodes = ", ".join(f"{count} {state}" for state, count in sorted(states.items())) or "none"
+    lines = [
+        f"job {status.job_name}: {status.phase} | round {status.round or '-'} "
+        f"| world {status.world_size} | nodes {nodes} (target {status.target_nodes})"
+    ]
+    for ds in status.datasets:
+        percent = 100.0 * ds.records_done / ds.records_total if ds.records_total else 100.0
+        failed = f" | {ds.failed_shards} FAILED shards" if ds.failed_shards else ""
+        lines.append(
+            f"  {ds.name}: epoch {min(ds.epoch + 1, ds.epochs)}/{ds.epochs} "
+            f"| {ds.records_done}/{ds.records_total} records ({percent:.1f}%){failed}"
+        )
+    lines.append(
+        f"  {status.samples_per_second:.1f} samples/s | ETA {format_duration(status.eta_seconds)}"
+    )
+    if status.HasField("last_failure"):
+        failure = status.last_failure
+        message = failure.message.strip().splitlines()
+        how = failure.signal or f"exit {failure.exit_code}"
+        lines.append(
+            f"  last failure: {failure.node_id} rank {failure.global_rank} ({how})"
+            + (f": {message[-1][:120]}" if message else "")
+        )
+    return lines
+
+
+class Display:
+    """Where output lines and status updates go."""
+
+    def line(self, source: str, text: str) -> None:
+        raise NotImplementedError
+
+    def update(self, status: job_pb2.JobStatus) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class NoDisplay(Display):
+    def line(self, source: str, text: str) -> None:
+        pass
+
+    def update(self, status: job_pb2.JobStatus) -> None:
+        pass
+
+
+class PlainDisplay(Display):
+    def __init__(self, out: TextIO = sys.stdout, every_s: float = 10.0) -> None:
+        self.out = out
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last = 0.0
+        self._phase = ""
+
+    def line(self, source: str, text: str) -> None:
+        with self._lock:
+            self.out.write(f"[{source}] {text}\n")
+            self.out.flush()
+
+    def update(self, status: job_pb2.JobStatus) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s and status.phase == self._phase:
+            return
+        self._last, self._phase = now, status.phase
+        with self._lock:
+            self.out.write("[dlmaster] " + " ".join(s.strip() for s in status_lines(status)) + "\n")
+            self.out.flush()
+
+
+class LiveDisplay(Display):
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.out = out
+        self._lock = threading.Lock()
+        self._block: list[str] = []
+
+    def line(self, source: str, text: str) -> None:
+        with self._lock:
+            self._erase()
+            self.out.write(f"[{source}] {text}\n")
+            self._draw()
+
+    def update(self, status: job_pb2.JobStatus) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns
+        block = [line[: width - 1] for line in status_lines(status)]
+        with self._lock:
+            self._erase()
+            self._block = block
+            self._draw()
+
+    def close(self) -> None:
+        with self._lock:  # the last block stays on screen, above what follows
+            self.out.flush()
+            self._block = []
+
+    def _erase(self) -> None:
+        for _ in self._block:
+            self.out.write("\x1b[1A\x1b[2K")  # cursor up one line, clear it
+
+    def _draw(self) -> None:
+        style = "\x1b[1m"  # bold
+        for line in self._block:
+            self.out.write(f"{style}{line}\x1b[0m\n")
+        self.out.flush()
+
+
+def choose_display(mode: str, out: TextIO = sys.stdout) -> Display:
+    if mode == "off":
+        return NoDisplay()
+    if mode == "live" or (mode == "auto" and out.isatty()):
+        return LiveDisplay(out)
+    return PlainDisplay(out)
+
+
+class DisplayLogHandler(logging.Handler):
+    """The master's own log lines, through the display (so that a live
+    status block is not torn apart by them)."""
+
+    def __init__(self, display: Display) -> None:
+        super().__init__()
+        self.display = display
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.display.line("dlmaster", self.format(record))
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)

@@ -1,0 +1,419 @@
+"""`dlmaster --job-config job.yaml`: run a whole job to its end.
+
+The runner owns the master (state, gRPC server) and the platform, on one event
+loop. Every `POLL_S` it looks at the nodes that exited and decides:
+
+- exit 0: the node's workers finished (or it left when asked to);
+- exit 1: its training failed beyond `max_restarts`: the job fails, and the
+  reason names the node, the rank and the worker's traceback (the agent's
+  failure report);
+- killed by a signal, or exit 3 (the node lost the job: master unreachable,
+  dropped for silence, rendezvous timed out): the node is lost. It is replaced
+  after `relaunch_delay_s` while the job's `max_node_relaunches` last and the
+  job wants it (target nodes); with none left, the job goes on with the nodes
+  it has while they are at least `nodes.min`, and fails otherwise;
+- anything else (2: dlworker refused its flags): the job fails.
+
+The job succeeds when no node is active any more and at least one succeeded.
+`Scale` (the Job RPC, `dlmaster scale`) changes the target: new nodes are
+started, or the newest ones are asked to leave (SIGTERM: they stop their
+workers and leave the round, and the rest re-form at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.master.core.liveness import LivenessSettings
+from dlfleet.master.core.rendezvous import RendezvousSettings
+from dlfleet.master.core.shards import ShardSettings
+from dlfleet.master.display import Display
+from dlfleet.master.jobconfig import JobConfig
+from dlfleet.master.platform.local import LocalNode, LocalPlatform, NodeState, describe_exit
+from dlfleet.master.rpc import rpc, system_clock
+from dlfleet.master.server import MasterServer
+from dlfleet.master.state import MasterSettings, MasterState
+from dlfleet.master.store.sql import open_store
+
+_log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+RATE_WINDOW_S = 15.0
+EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
+EXIT_NODE_LOST = 3
+MASTER_FILE = "master.json"
+RESULT_FILE = "result.json"
+PREVIOUS_RUN = ".previous"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    code: int  # the process exit code of dlmaster
+    reason: str
+
+
+def job_token(config: JobConfig) -> str:
+    """The token from the config, or the job's own: generated once, kept in
+    the workdir (mode 0600) so a restarted master and `dlmaster scale` agree."""
+    if config.token is not None:
+        return config.token
+    if config.token_file is not None:
+        return config.path(config.token_file).read_text().strip()
+    path = config.work_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token
+
+
+def master_settings(config: JobConfig) -> MasterSettings:
+    return MasterSettings(
+        job_name=config.name,
+        shard=ShardSettings(lease_timeout_ms=int(config.lease_timeout_s * 1000)),
+        liveness=LivenessSettings(
+            heartbeat_interval_ms=int(config.heartbeat.interval_s * 1000),
+            heartbeat_timeout_ms=int(config.heartbeat.timeout_s * 1000),
+        ),
+        rendezvous=RendezvousSettings(
+            min_nodes=config.nodes.min,
+            max_nodes=config.nodes.maximum,
+            node_unit=config.rendezvous.node_unit,
+            last_call_timeout_ms=int(config.rendezvous.last_call_timeout_s * 1000),
+            join_timeout_ms=int(config.rendezvous.join_timeout_s * 1000),
+        ),
+    )
+
+
+class Progress:
+    """Records done over time, for samples/s and the ETA."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, done: int) -> None:
+        self._samples.append((now, done))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def rate(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
+        return max(0, d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class JobRunner:
+    def __init__(self, config: JobConfig, display: Display) -> None:
+        self.config = config
+        self.display = display
+        self.target = config.nodes.start
+        self.relaunches_left = config.max_node_relaunches
+        self.phase = "running"
+        self.reason = ""
+        self.result: JobResult | None = None
+        self.progress = Progress()
+        self.state: MasterState | None = None
+        self.server: MasterServer | None = None
+        self.platform: LocalPlatform | None = None
+        self._interrupted = asyncio.Event()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> JobResult:
+        config = self.config
+        self._set_aside_finished_run()
+        config.work_dir.mkdir(parents=True, exist_ok=True)
+        token = job_token(config)
+        self.state = MasterState.recover(
+            open_store(config.store_url), master_settings(config), system_clock()
+        )
+        self.server = MasterServer(
+            self.state,
+            token=token,
+            host=config.master.host,
+            port=config.master.port,
+            extra_services=[self._add_job_service],
+        )
+        try:
+            port = await self.server.start()
+            await self._forget_old_nodes()
+            address = f"{config.master.host}:{port}"
+            self._write_master_file(address)
+            _log.info("job %s: master listening on %s, workdir %s", config.name, address,
+                      config.work_dir)  # fmt: skip
+            self.platform = LocalPlatform(
+                config, master=address, token=token, on_line=self.display.line
+            )
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._interrupted.set)
+            self.platform.start(self.target)
+            while self.result is None:
+                self._step()
+                self.display.update(self.status())
+                if self.result is not None:
+                    break
+                try:
+                    await asyncio.wait_for(self._interrupted.wait(), POLL_S)
+                    self._finish(130, "interrupted: stopping the job's nodes")
+                except asyncio.TimeoutError:
+                    pass
+            assert self.result is not None
+            self.phase = "succeeded" if self.result.code == 0 else "failed"
+            self.reason = self.result.reason
+            await asyncio.to_thread(self.platform.shutdown)
+            self.display.update(self.status())
+            if self.result.code != 130:
+                result = {"code": self.result.code, "reason": self.result.reason}
+                (config.work_dir / RESULT_FILE).write_text(json.dumps(result))
+            return self.result
+        finally:
+            if self.platform is not None:
+                self.platform.shutdown(grace_s=1.0)
+            await self.server.stop()
+            self.state.close()
+            (config.work_dir / MASTER_FILE).unlink(missing_ok=True)
+
+    def _set_aside_finished_run(self) -> None:
+        """A job that succeeded is done: running it again starts it afresh,
+        with the last run's workdir kept as `<workdir>.previous`. A job that
+        failed or was interrupted resumes from its store and checkpoints."""
+        config = self.config
+        try:
+            ended = json.loads((config.work_dir / RESULT_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        if ended.get("code") != 0:
+            (config.work_dir / RESULT_FILE).unlink()
+            return
+        if config.state_store is not None:
+            raise InvalidArgument(
+                f"job {config.name} already succeeded, and its state store {config.state_store} "
+                f"holds the finished job: give the new run a new store, or remove "
+                f"{config.work_dir / RESULT_FILE} to resume the finished job"
+            )
+        previous = config.work_dir.with_name(config.work_dir.name + PREVIOUS_RUN)
+        if previous.exists():
+            shutil.rmtree(previous)
+        config.work_dir.rename(previous)
+        _log.info("job %s succeeded before; starting afresh (last run kept in %s)",
+                  config.name, previous)  # fmt: skip
+
+    async def _forget_old_nodes(self) -> None:
+        """Nodes recovered from the store belonged to an earlier master of this
+        job; on the local platform they died with it. Drop them now (closing
+        their round) rather than after their heartbeat timeout."""
+        assert self.state is not None and self.server is not None
+        assert self.server.membership is not None
+        for record in list(self.state.nodes.nodes.values()):
+            await self.server.membership.node_lost(record.node_id, "its master was restarted")
+
+    def _step(self) -> None:
+        assert self.platform is not None
+        for exited in self.platform.poll():
+            self._on_exit(exited.node, exited.exit_code)
+            if self.result is not None:
+                return
+        active = self.platform.active
+        if not active:
+            if any(n.state is NodeState.SUCCEEDED for n in self.platform.nodes):
+                self._finish(0, "every node's workers finished")
+            else:
+                self._finish(1, "no node is left and none finished its work")
+
+    def _on_exit(self, node: LocalNode, code: int) -> None:
+        assert self.platform is not None
+        how = describe_exit(code)
+        if node.state is NodeState.STOPPING:
+            node.state = NodeState.STOPPED
+            _log.info("%s left as asked (%s)", node.name, how)
+            return
+        if code == 0:
+            node.state = NodeState.SUCCEEDED
+            _log.info("%s finished", node.name)
+            return
+        if code == EXIT_WORKERS_FAILED:
+            node.state = NodeState.FAILED
+            self._finish(1, self._root_cause(node, how))
+            return
+        if code < 0 or code == EXIT_NODE_LOST:
+            node.state = NodeState.LOST
+            wanted = len(self.platform.active) < self.target
+            if wanted and self.relaunches_left > 0:
+                self.relaunches_left -= 1
+                _log.warning(
+                    "%s was lost (%s): relaunching it in %.1fs (%d relaunches left)",
+                    node.name, how, self.config.relaunch_delay_s, self.relaunches_left,
+                )  # fmt: skip
+                self.platform.relaunch(node, self.config.relaunch_delay_s)
+                return
+            active = len(self.platform.active)
+            if active >= self.config.nodes.min:
+                _log.warning("%s was lost (%s); going on with %d nodes", node.name, how, active)
+                return
+            self._finish(
+                1,
+                f"{node.name} was lost ({how}) and no relaunch is left "
+                f"(max_node_relaunches={self.config.max_node_relaunches}); "
+                f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}",
+            )
+            return
+        node.state = NodeState.FAILED
+        log = self.platform.log_dir / f"{node.name}.log"
+        self._finish(1, f"{node.name}: dlworker ended with {how}; see {log}")
+
+    def _root_cause(self, node: LocalNode, how: str) -> str:
+        """The last failure its agent reported: rank, exit, traceback."""
+        assert self.platform is not None
+        report = self._last_failure(node.name)
+        log = self.platform.log_dir / f"{node.name}.log"
+        if report is None:
+            return f"{node.name}: its workers failed ({how}); see {log}"
+        what = report.signal or f"exit code {report.exit_code}"
+        return (
+            f"{node.name}: rank {report.global_rank} (local rank {report.local_rank}) failed "
+            f"with {what} in round {report.round}, after {report.restart_count} restarts "
+            f"(max_restarts={self.config.max_restarts}):\n{report.message.rstrip()}\n"
+            f"(node log: {log})"
+        )
+
+    def _last_failure(self, node_name: str | None = None) -> rendezvous_pb2.FailureReport | None:
+        if self.server is None or self.server.rendezvous is None:
+            return None
+        for report in reversed(self.server.rendezvous.failures):
+            if node_name is None or report.node_id.rpartition("#")[0] == node_name:
+                return report
+        return None
+
+    def _finish(self, code: int, reason: str) -> None:
+        if self.result is None:
+            self.result = JobResult(code, reason)
+
+    # ---------------------------------------------------------------- scale
+
+    def scale(self, nodes: int) -> int:
+        """Set the target number of nodes; returns the previous target."""
+        assert self.platform is not None
+        low, high = self.config.nodes.min, self.config.nodes.maximum
+        if not low <= nodes <= high:
+            raise InvalidArgument(f"nodes must lie in {low}..{high} (job.yaml nodes), got {nodes}")
+        if self.result is not None:
+            raise InvalidArgument(f"the job has ended: {self.result.reason}")
+        previous, self.target = self.target, nodes
+        active = self.platform.active
+        for _ in range(nodes - len(active)):
+            node = self.platform.add_node()
+            _log.info("scale to %d: started %s", nodes, node.name)
+        leaving = [n for n in active if n.state is not NodeState.STOPPING]
+        for node in sorted(leaving, key=lambda n: -n.index)[: max(0, len(leaving) - nodes)]:
+            _log.info("scale to %d: asking %s to leave", nodes, node.name)
+            self.platform.stop_node(node)
+        return previous
+
+    # --------------------------------------------------------------- status
+
+    def status(self) -> job_pb2.JobStatus:
+        status = job_pb2.JobStatus(
+            job_name=self.config.name,
+            phase=self.phase,
+            target_nodes=self.target,
+            reason=self.reason,
+            eta_seconds=-1,
+        )
+        if self.platform is not None:
+            for node in self.platform.nodes:
+                status.nodes.append(
+                    job_pb2.NodeStatus(
+                        name=node.name,
+                        state=node.state.value,
+                        pid=node.pid,
+                        relaunches=node.relaunches,
+                    )
+                )
+        if self.state is None:
+            return status
+        active = self.state.rendezvous.state.active
+        if active is not None:
+            status.round = active.round
+            status.world_size = active.world_size
+        done = remaining = 0
+        for name in sorted(self.state.book.datasets):
+            view = self.state.book.status(name)
+            per_epoch, epochs = view.records_per_epoch, view.config.epochs
+            trained = per_epoch * epochs if view.finished else per_epoch * view.epoch
+            trained += 0 if view.finished else view.records_done
+            status.datasets.append(
+                job_pb2.DatasetProgress(
+                    name=name,
+                    epoch=view.epoch,
+                    epochs=epochs,
+                    records_per_epoch=per_epoch,
+                    records_done=trained,
+                    records_total=per_epoch * epochs,
+                    failed_shards=len(view.failed),
+                )
+            )
+            done += trained
+            remaining += per_epoch * epochs - trained
+        self.progress.add(time.monotonic(), done)
+        status.samples_per_second = self.progress.rate()
+        if status.samples_per_second > 0:
+            status.eta_seconds = remaining / status.samples_per_second
+        last = self._last_failure()
+        if last is not None:
+            status.last_failure.CopyFrom(last)
+        return status
+
+    # ---------------------------------------------------------------- wiring
+
+    def _write_master_file(self, address: str) -> None:
+        path = self.config.work_dir / MASTER_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        tmp.replace(path)
+
+    def _add_job_service(self, server: grpc.aio.Server) -> None:
+        job_pb2_grpc.add_JobServicer_to_server(JobService(self), server)
+
+
+class JobService(job_pb2_grpc.JobServicer):
+    def __init__(self, runner: JobRunner) -> None:
+        self.runner = runner
+
+    @rpc
+    async def GetStatus(self, request: job_pb2.JobStatusRequest, context: Any) -> job_pb2.JobStatus:
+        return self.runner.status()
+
+    @rpc
+    async def Scale(self, request: job_pb2.ScaleRequest, context: Any) -> job_pb2.ScaleResponse:
+        previous = self.runner.scale(request.nodes)
+        return job_pb2.ScaleResponse(previous=previous, nodes=request.nodes)
+
+
+def read_master_file(config: JobConfig) -> str:
+    """The address of the job's running master, from its workdir."""
+    path = config.work_dir / MASTER_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise InvalidArgument(
+            f"no running master for job {config.name} ({path} not found)"
+        ) from None
+    return str(data["address"])

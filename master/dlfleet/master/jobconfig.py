@@ -1,0 +1,216 @@
+"""job.yaml: everything `dlmaster --job-config` needs to run a job.
+
+    name: quickstart            # job name; nodes of other jobs are refused
+    platform: local             # local (default): dlworker processes on this machine
+    nodes: {min: 1, max: 2}     # elastic range; `initial` (default max) start
+    nproc_per_node: 1           # training processes per node
+    command: train.py           # a script, relative to this file's directory
+    args: ["--epochs", "2"]
+    module: false               # true: `command` is a module (python -m)
+    env: {}                     # extra environment for the training processes
+    max_restarts: 3             # worker-group restarts per node before it fails
+    max_node_relaunches: 3      # replacements of dead nodes, for the whole job
+    relaunch_delay_s: 2.0       # pause before a dead node is replaced
+    rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
+    heartbeat: {interval_s: 2.0, timeout_s: 10.0}
+    lease_timeout_s: 30.0       # a shard lease not renewed for this long is requeued
+    workdir: .dlfleet/quickstart  # default .dlfleet/<name>, next to this file
+    state_store: sqlite:///...  # default: sqlite file state.db in the workdir
+    token_file: token.txt       # or `token:`; default: a fresh random token
+    master: {host: 127.0.0.1, port: 0}
+    display: auto               # auto | live | plain | off
+
+Unknown keys are errors (a typo must not silently mean "default"). Relative
+paths are relative to the directory of the job.yaml. Every error names the
+field and the reason; `dlmaster` turns them into exit code 2 before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dlfleet.api.errors import InvalidArgument
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+Seconds = Annotated[float, Field(gt=0, le=86_400)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodesConfig(_Strict):
+    min: int = Field(default=1, ge=1, le=10_000)
+    max: int | None = Field(default=None, ge=1, le=10_000)
+    initial: int | None = Field(default=None, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodesConfig:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be at least min ({self.min})")
+        if self.initial is not None and not self.min <= self.initial <= self.maximum:
+            raise ValueError(f"initial ({self.initial}) must lie in {self.min}..{self.maximum}")
+        return self
+
+    @property
+    def maximum(self) -> int:
+        return self.max if self.max is not None else self.min
+
+    @property
+    def start(self) -> int:
+        return self.initial if self.initial is not None else self.maximum
+
+
+class RendezvousConfig(_Strict):
+    last_call_timeout_s: float = Field(default=1.0, ge=0, le=3_600)
+    join_timeout_s: Seconds = 600.0
+    node_unit: int = Field(default=1, ge=1)
+
+
+class HeartbeatConfig(_Strict):
+    interval_s: Seconds = 2.0
+    timeout_s: Seconds = 10.0
+
+    @model_validator(mode="after")
+    def _timeout_longer(self) -> HeartbeatConfig:
+        if self.timeout_s <= self.interval_s:
+            raise ValueError(
+                f"timeout_s ({self.timeout_s}) must be longer than interval_s ({self.interval_s})"
+            )
+        return self
+
+
+class MasterAddress(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65_535)
+
+
+class JobConfig(_Strict):
+    name: str
+    platform: Literal["local"] = "local"
+    nodes: NodesConfig = NodesConfig()
+    nproc_per_node: int = Field(default=1, ge=1, le=1_024)
+    command: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    module: bool = False
+    env: dict[str, str] = Field(default_factory=dict)
+    max_restarts: int = Field(default=3, ge=0, le=1_000)
+    max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
+    relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
+    rendezvous: RendezvousConfig = RendezvousConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    lease_timeout_s: Seconds = 30.0
+    workdir: Path | None = None
+    state_store: str | None = None
+    token: str | None = Field(default=None, min_length=1)
+    token_file: Path | None = None
+    master: MasterAddress = MasterAddress()
+    display: Literal["auto", "live", "plain", "off"] = "auto"
+    # Where the job.yaml lies; set by `load_job_config`, not by the file.
+    base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid job name: lowercase letters, digits and '-', "
+                "at most 63 characters, starting and ending with a letter or digit"
+            )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give either token or token_file, not both")
+        unit = self.rendezvous.node_unit
+        if unit > self.nodes.maximum or self.nodes.maximum // unit * unit < self.nodes.min:
+            raise ValueError(
+                f"rendezvous.node_unit {unit} leaves no world size in "
+                f"nodes {self.nodes.min}..{self.nodes.maximum}"
+            )
+        return self
+
+    # ------------------------------------------------------------ resolved
+
+    def path(self, value: Path) -> Path:
+        return value if value.is_absolute() else (self.base_dir / value)
+
+    @property
+    def work_dir(self) -> Path:
+        return self.path(self.workdir or Path(".dlfleet") / self.name)
+
+    @property
+    def store_url(self) -> str:
+        return self.state_store or f"sqlite:///{self.work_dir / 'state.db'}"
+
+    @property
+    def script(self) -> str:
+        """The training script as dlworker gets it: a module name stays as is;
+        a relative script path is made absolute against the job.yaml."""
+        return self.command if self.module else str(self.path(Path(self.command)))
+
+
+def load_job_config(path: Path) -> JobConfig:
+    """Read and validate a job.yaml; `InvalidArgument` names what is wrong."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{path}: {exc.strerror}") from None
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{path}: expected a mapping of settings at the top level")
+    return parse_job_config(data, base_dir=path.resolve().parent, source=str(path))
+
+
+def parse_job_config(
+    data: dict[str, Any], *, base_dir: Path, source: str = "job.yaml"
+) -> JobConfig:
+    if "base_dir" in data:
+        raise InvalidArgument(f"{source}: base_dir: not a setting (paths are relative to the file)")
+    try:
+        config = JobConfig.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as exc:
+        raise InvalidArgument(f"{source}: {_describe(exc)}") from None
+    if not config.module and not Path(config.script).is_file():
+        raise InvalidArgument(f"{source}: command: no such script {config.script}")
+    if config.token_file is not None:
+        token_path = config.path(config.token_file)
+        try:
+            token = token_path.read_text().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"{source}: token_file: {token_path}: {exc.strerror}") from None
+        if not token:
+            raise InvalidArgument(f"{source}: token_file: {token_path} is empty")
+    return config
+
+
+def _describe(exc: ValidationError) -> str:
+    """One line per problem: `field.sub: reason`."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown setting"
+        elif error["type"] == "missing":
+            message = "required"
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)

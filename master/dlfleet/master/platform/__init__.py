@@ -1,0 +1,1 @@
+"""Where a job's nodes run: `local` (dlworker processes on this machine)."""

@@ -1,0 +1,243 @@
+"""The `local` platform: the job's nodes are `dlworker` processes on this machine.
+
+The platform only starts, stops and watches processes; what an exit means for
+the job is the runner's call (job.py). Every node's output (the agent's log
+and its training processes' output) goes to `<workdir>/logs/<node>.log` and,
+line by line, to the `on_line` callback. Nodes die with the master (parent-
+death signal): a master killed and started again resumes the job from its store
+with fresh nodes, and never finds a stray one still training.
+
+Not thread-safe; one owner (the runner's event loop) calls it. Reading output
+happens on one thread per node, which only calls `on_line`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from dlfleet.api.processes import die_with_parent
+from dlfleet.master.jobconfig import JobConfig
+
+_log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 15.0
+
+
+class NodeState(enum.Enum):
+    STARTING = "starting"  # launched or waiting out its relaunch delay
+    RUNNING = "running"
+    STOPPING = "stopping"  # asked to leave (scale down or job end)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # its training failed beyond its restarts
+    LOST = "lost"  # it died or lost the job; may be replaced
+    STOPPED = "stopped"  # left when asked
+
+
+@dataclass
+class LocalNode:
+    name: str
+    index: int
+    relaunches: int = 0
+    state: NodeState = NodeState.STARTING
+    proc: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    start_at: float = 0.0  # monotonic time at which a pending launch happens
+    reader: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    @property
+    def active(self) -> bool:
+        return self.state in (NodeState.STARTING, NodeState.RUNNING, NodeState.STOPPING)
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    node: LocalNode
+    exit_code: int  # Popen's returncode: -N for signal N
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class LocalPlatform:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        master: str,
+        token: str,
+        on_line: Callable[[str, str], None] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.config = config
+        self.master = master
+        self.token = token
+        self.on_line = on_line or (lambda node, line: None)
+        self.python = python
+        self.nodes: list[LocalNode] = []
+        self.log_dir = config.work_dir / "logs"
+
+    # ---------------------------------------------------------------- intent
+
+    def start(self, count: int) -> None:
+        for _ in range(count):
+            self.add_node()
+
+    def add_node(self) -> LocalNode:
+        node = LocalNode(name=f"node-{len(self.nodes)}", index=len(self.nodes))
+        self.nodes.append(node)
+        self._launch(node)
+        return node
+
+    def relaunch(self, node: LocalNode, delay_s: float) -> None:
+        """Replace a lost node under the same name (a new incarnation to the
+        master) after `delay_s`."""
+        node.relaunches += 1
+        node.state = NodeState.STARTING
+        node.proc = None
+        node.exit_code = None
+        node.start_at = time.monotonic() + delay_s
+
+    def stop_node(self, node: LocalNode) -> None:
+        """Ask a node to leave: its agent stops its workers and leaves the
+        round, and the others re-form without it."""
+        if node.proc is None:  # not launched yet
+            node.state = NodeState.STOPPED
+            return
+        node.state = NodeState.STOPPING
+        self._signal(node, signal.SIGTERM)
+
+    def kill_node(self, node: LocalNode) -> None:
+        """SIGKILL a node's agent (its workers die with it)."""
+        self._signal(node, signal.SIGKILL)
+
+    @property
+    def active(self) -> list[LocalNode]:
+        return [node for node in self.nodes if node.active]
+
+    # ---------------------------------------------------------------- watch
+
+    def poll(self) -> list[NodeExit]:
+        """Launch nodes whose relaunch delay is over; report nodes that exited
+        since the last poll."""
+        exits: list[NodeExit] = []
+        now = time.monotonic()
+        for node in self.nodes:
+            if node.state is NodeState.STARTING and node.proc is None and now >= node.start_at:
+                self._launch(node)
+            if node.proc is None or node.exit_code is not None:
+                continue
+            code = node.proc.poll()
+            if code is None:
+                if node.state is NodeState.STARTING:
+                    node.state = NodeState.RUNNING
+                continue
+            node.exit_code = code
+            if node.reader is not None:
+                node.reader.join(timeout=2.0)  # its last lines come first
+            exits.append(NodeExit(node, code))
+        return exits
+
+    def shutdown(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every node still running: SIGTERM, then SIGKILL after `grace_s`."""
+        running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        for node in running:
+            self._signal(node, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for node in running:
+            assert node.proc is not None
+            try:
+                node.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(node, signal.SIGKILL)
+                node.proc.wait()
+        for node in self.nodes:
+            if node.reader is not None:
+                node.reader.join(timeout=2.0)
+
+    # ------------------------------------------------------------- helpers
+
+    def command(self, node: LocalNode) -> list[str]:
+        config = self.config
+        nodes = f"{config.nodes.min}:{config.nodes.maximum}"
+        command = [
+            self.python, "-u", "-m", "dlfleet.worker.agent.loop",
+            "--master", self.master,
+            "--job-name", config.name,
+            "--node-name", node.name,
+            "--nnodes", nodes,
+            "--nproc-per-node", str(config.nproc_per_node),
+            "--max-restarts", str(config.max_restarts),
+            "--log-dir", str(self.log_dir / node.name),
+            # Copies of the workers' output in files: a failed rank's report
+            # then carries the end of its stderr (the traceback).
+            "--tee", "3",
+        ]  # fmt: skip
+        if config.module:
+            command.append("--module")
+        return [*command, config.script, *config.args]
+
+    def _launch(self, node: LocalNode) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            **self.config.env,
+            "DLFLEET_TOKEN": self.token,
+            "DLFLEET_WORKDIR": str(self.config.work_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+        node.state = NodeState.STARTING
+        node.exit_code = None
+        node.proc = subprocess.Popen(
+            die_with_parent(self.command(node)),
+            cwd=self.config.base_dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a ^C at the terminal reaches the master only
+        )
+        assert node.proc.stdout is not None
+        log_path = self.log_dir / f"{node.name}.log"
+        node.reader = threading.Thread(
+            target=self._pump,
+            args=(node.name, node.proc.stdout, log_path),
+            name=f"output-{node.name}",
+            daemon=True,
+        )
+        node.reader.start()
+        _log.info("started %s (pid %d)", node.name, node.proc.pid)
+
+    def _pump(self, name: str, stream: IO[bytes], log_path: Path) -> None:
+        with stream, log_path.open("ab") as log:
+            for raw in stream:
+                log.write(raw)
+                log.flush()
+                self.on_line(name, raw.decode(errors="replace").rstrip("\n"))
+
+    def _signal(self, node: LocalNode, sig: signal.Signals) -> None:
+        if node.proc is None or node.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, sig)

@@ -1,0 +1,228 @@
+"""`dlmaster --job-config`: a real master running a job of real dlworker
+processes (the local platform), with training scripts that need no torch so
+that the job logic is what is timed: success, a failing rank's root cause,
+a killed node replaced, scaling up and down, status, and bad configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+# Each worker writes what it saw (round, world) and stays until the test drops
+# a `stop` file (or for `SECONDS` seconds), then exits 0.
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out = sys.argv[1]
+    env = os.environ
+    me = f"{env['DLFLEET_NODE_ID']}-r{env['DLFLEET_ROUND']}-{env['LOCAL_RANK']}"
+    with open(os.path.join(out, me + ".json"), "w") as f:
+        json.dump({"world": int(os.environ["WORLD_SIZE"]), "rank": int(os.environ["RANK"])}, f)
+    if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+        raise ZeroDivisionError("rank " + os.environ["RANK"] + " divides by zero")
+    deadline = time.monotonic() + float(os.environ.get("SECONDS_TO_RUN", "60"))
+    while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    """
+)
+
+
+class Job:
+    def __init__(self, root: Path, **settings: Any) -> None:
+        self.root = root
+        self.out = root / "out"
+        self.out.mkdir()
+        (root / "worker.py").write_text(WORKER)
+        config = {
+            "name": "test-job",
+            "command": "worker.py",
+            "args": [str(self.out)],
+            "display": "plain",
+            "relaunch_delay_s": 0.2,
+            "rendezvous": {"last_call_timeout_s": 0.3},
+            "heartbeat": {"interval_s": 0.5, "timeout_s": 5},
+            **settings,
+        }
+        self.config = root / "job.yaml"
+        self.config.write_text(json.dumps(config))  # JSON is YAML
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> Job:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlfleet.master", "--job-config", str(self.config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        return self
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        assert self.proc is not None
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def control(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "dlfleet.master", *args, "--job-config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def status(self) -> dict[str, Any]:
+        done = self.control("status", "--json")
+        assert done.returncode == 0, done.stderr
+        data: dict[str, Any] = json.loads(done.stdout)
+        return data
+
+    def seen(self) -> list[dict[str, Any]]:
+        """What every worker process reported, with its file name."""
+        return [
+            {"file": p.name, **json.loads(p.read_text())}
+            for p in sorted(self.out.glob("*.json"))
+            if p.stat().st_size
+        ]
+
+    def wait_for(self, predicate: Any, what: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}: {self.finish()}")
+            try:
+                if predicate():
+                    return
+            except (OSError, ValueError, AssertionError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; seen {self.seen()}")
+
+    def stop_workers(self) -> None:
+        (self.out / "stop").write_text("")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Iterator[Any]:
+    jobs: list[Job] = []
+
+    def make(**settings: Any) -> Job:
+        job = Job(tmp_path, **settings)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill()
+
+
+def test_a_job_runs_every_node_and_exits_zero(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 2}, nproc_per_node=2).start()
+    job.wait_for(lambda: len(job.seen()) == 4, "4 workers")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    assert sorted(s["rank"] for s in job.seen()) == [0, 1, 2, 3]
+    assert {s["world"] for s in job.seen()} == {4}
+    assert "job test-job succeeded" in out
+    assert "[node-0]" in out and "[node-1]" in out  # the nodes' output, labelled
+    assert (job.root / ".dlfleet" / "test-job" / "logs" / "node-1.log").stat().st_size > 0
+
+
+def test_a_failing_rank_fails_the_job_with_its_traceback(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, max_restarts=1).start(env={"FAIL_RANK": "1"})
+    code, _, err = job.finish()
+    assert code == 1
+    reason = err[err.index("FAILED") :]
+    assert ": rank 1 (local rank 0) failed with exit code 1" in reason
+    assert "after 1 restarts (max_restarts=1)" in reason
+    assert "ZeroDivisionError: rank 1 divides by zero" in reason
+
+
+def test_a_killed_node_is_replaced_and_the_job_still_succeeds(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 2}, max_node_relaunches=2).start()
+    job.wait_for(lambda: len(job.seen()) == 2, "2 workers")
+    victim = next(n for n in job.status()["nodes"] if n["name"] == "node-1")
+    os.kill(victim["pid"], signal.SIGKILL)  # the dlworker; its worker dies with it
+
+    def relaunched() -> bool:
+        return any(n["relaunches"] == 1 and n["state"] == "running" for n in job.status()["nodes"])
+
+    job.wait_for(relaunched, "node-1 relaunched")
+    job.wait_for(lambda: any("node-1#2" in s["file"] for s in job.seen()), "node-1#2 working")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    assert "node-1 was lost (killed by SIGKILL): relaunching it" in out
+
+
+def test_a_lost_node_with_no_relaunch_left_below_min_fails_the_job(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, max_node_relaunches=0).start()
+    job.wait_for(lambda: len(job.seen()) == 2, "2 workers")
+    victim = next(n for n in job.status()["nodes"] if n["name"] == "node-0")
+    os.kill(victim["pid"], signal.SIGKILL)
+    code, _, err = job.finish()
+    assert code == 1
+    assert "node-0 was lost (killed by SIGKILL) and no relaunch is left" in err
+    assert "fewer than nodes.min=2" in err
+
+
+def test_scaling_up_and_down_changes_the_world(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 3, "initial": 1}).start()
+    job.wait_for(lambda: len(job.seen()) == 1, "1 worker")
+    done = job.control("scale", "--nodes", "3")
+    assert done.returncode == 0 and "scaled from 1 to 3 nodes" in done.stdout
+    job.wait_for(lambda: {s["world"] for s in job.seen()} >= {1, 3}, "a world of 3")
+    assert job.control("scale", "--nodes", "2").returncode == 0
+    job.wait_for(lambda: 2 in {s["world"] for s in job.seen()}, "a world of 2")
+    states = {n["name"]: n["state"] for n in job.status()["nodes"]}
+    assert states == {"node-0": "running", "node-1": "running", "node-2": "stopped"}
+    refused = job.control("scale", "--nodes", "4")
+    assert refused.returncode == 1 and "nodes must lie in 1..3" in refused.stderr
+    job.stop_workers()
+    code, _, err = job.finish()
+    assert code == 0, err
+
+
+def test_status_shows_the_round_and_the_nodes(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, nproc_per_node=2).start()
+    job.wait_for(lambda: len(job.seen()) == 4, "4 workers")
+    status = job.status()
+    assert status["phase"] == "running" and int(status["round"]) >= 1
+    assert status["world_size"] == 2 and status["target_nodes"] == 2
+    text = job.control("status").stdout
+    assert "job test-job: running" in text and "nodes 2 running" in text
+    job.stop_workers()
+    assert job.finish()[0] == 0
+
+
+def test_a_bad_config_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("name: x\ncommand: absent.py\nnodes: {min: 0}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "dlfleet.master", "--job-config", str(tmp_path / "job.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "invalid job config" in done.stderr and "nodes.min" in done.stderr
+    assert not (tmp_path / ".dlfleet").exists()

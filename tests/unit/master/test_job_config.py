@@ -1,0 +1,100 @@
+"""job.yaml validation: every bad config names its field and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlfleet.api.errors import InvalidArgument
+from dlfleet.master.jobconfig import load_job_config, parse_job_config
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return tmp_path
+
+
+def parse(base: Path, **fields: Any) -> Any:
+    return parse_job_config({"name": "demo", "command": "train.py", **fields}, base_dir=base)
+
+
+def test_a_minimal_config_gets_documented_defaults(base: Path) -> None:
+    config = parse(base)
+    assert config.platform == "local"
+    assert (config.nodes.min, config.nodes.maximum, config.nodes.start) == (1, 1, 1)
+    assert config.nproc_per_node == 1 and config.max_restarts == 3
+    assert config.work_dir == base / ".dlfleet" / "demo"
+    assert config.store_url == f"sqlite:///{base / '.dlfleet' / 'demo' / 'state.db'}"
+    assert config.script == str(base / "train.py")
+
+
+def test_the_job_starts_max_nodes_unless_initial_says_otherwise(base: Path) -> None:
+    assert parse(base, nodes={"min": 1, "max": 3}).nodes.start == 3
+    assert parse(base, nodes={"min": 1, "max": 3, "initial": 2}).nodes.start == 2
+
+
+def test_a_module_command_is_not_a_path(base: Path) -> None:
+    config = parse(base, command="pkg.train", module=True)
+    assert config.script == "pkg.train"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"nodes": {"min": 3, "max": 2}}, "nodes: max (2) must be at least min (3)"),
+        ({"nodes": {"min": 0}}, "nodes.min: Input should be greater than or equal to 1"),
+        ({"nodes": {"min": 1, "max": 2, "initial": 5}}, "initial (5) must lie in 1..2"),
+        ({"nproc_per_node": 0}, "nproc_per_node: Input should be greater than or equal to 1"),
+        ({"nproc_per_node": "two"}, "nproc_per_node: Input should be a valid integer"),
+        ({"max_restarts": -1}, "max_restarts: Input should be greater than or equal to 0"),
+        ({"heartbeat": {"interval_s": 5, "timeout_s": 2}}, "heartbeat: timeout_s (2.0) must be"),
+        ({"heartbeat": {"interval_s": 0}}, "heartbeat.interval_s: Input should be greater than 0"),
+        ({"platform": "slurm"}, "platform: Input should be 'local'"),
+        ({"nodez": 2}, "nodez: unknown setting"),
+        ({"rendezvous": {"last_call": 1}}, "rendezvous.last_call: unknown setting"),
+        ({"master": {"port": 70000}}, "master.port: Input should be less than or equal to 65535"),
+        ({"env": {"1BAD": "x"}}, "env: Value error, '1BAD' is not an environment variable name"),
+        ({"name": "Bad_Name"}, "name: 'Bad_Name' is not a valid job name"),
+        ({"token": "a", "token_file": "t"}, "give either token or token_file, not both"),
+        ({"command": "missing.py"}, "command: no such script"),
+        ({"token_file": "nope.txt"}, "token_file: "),
+        ({"nodes": {"min": 2, "max": 3}, "rendezvous": {"node_unit": 4}}, "node_unit 4 leaves"),
+    ],
+)
+def test_bad_configs_name_the_field_and_the_reason(
+    base: Path, fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        parse(base, **fields)
+    assert message.replace("Value error, ", "") in str(caught.value)
+
+
+def test_a_missing_required_field_is_named(base: Path) -> None:
+    with pytest.raises(InvalidArgument, match="command: required"):
+        parse_job_config({"name": "demo"}, base_dir=base)
+
+
+def test_files_that_are_not_a_mapping_of_yaml_are_refused(base: Path) -> None:
+    bad_yaml = base / "a.yaml"
+    bad_yaml.write_text("name: [unclosed\n")
+    with pytest.raises(InvalidArgument, match="not valid YAML"):
+        load_job_config(bad_yaml)
+    a_list = base / "b.yaml"
+    a_list.write_text("- name\n")
+    with pytest.raises(InvalidArgument, match="expected a mapping"):
+        load_job_config(a_list)
+    with pytest.raises(InvalidArgument, match="No such file"):
+        load_job_config(base / "absent.yaml")
+
+
+def test_paths_are_relative_to_the_job_yaml(base: Path, tmp_path: Path) -> None:
+    sub = base / "jobs"
+    sub.mkdir()
+    (sub / "train.py").write_text("")
+    (sub / "job.yaml").write_text("name: demo\ncommand: train.py\nworkdir: out\n")
+    config = load_job_config(sub / "job.yaml")
+    assert config.script == str(sub / "train.py")
+    assert config.work_dir == sub / "out"
