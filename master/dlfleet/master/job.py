@@ -352,7 +352,7 @@ class JobRunner:
         active = self.state.rendezvous.state.active
         if active is not None:
             status.round = active.round
-            status.world_size = active.world_size
+            status.world_size = sum(active.local_world_sizes())
         done = remaining = 0
         for name in sorted(self.state.book.datasets):
             view = self.state.book.status(name)

@@ -207,7 +207,7 @@ def test_status_shows_the_round_and_the_nodes(make_job: Any) -> None:
     job.wait_for(lambda: len(job.seen()) == 4, "4 workers")
     status = job.status()
     assert status["phase"] == "running" and int(status["round"]) >= 1
-    assert status["world_size"] == 2 and status["target_nodes"] == 2
+    assert status["world_size"] == 4 and status["target_nodes"] == 2
     text = job.control("status").stdout
     assert "job test-job: running" in text and "nodes 2 running" in text
     job.stop_workers()
