@@ -183,6 +183,12 @@ class ShardedDataLoader:
         self._pending_restore = shards_pb2.DatasetSnapshot.FromString(state["snapshot"])
 
     def close(self) -> None:
+        # Persistent DataLoader workers would otherwise live until garbage
+        # collection joins them, at an arbitrary point of the program.
+        workers = getattr(self._loader, "_iterator", None)
+        if workers is not None and hasattr(workers, "_shutdown_workers"):
+            workers._shutdown_workers()
+            self._loader._iterator = None
         if hasattr(self, "stream") and isinstance(self.stream, LeasedStream):
             self.stream.close()
         if self._client is not None:
