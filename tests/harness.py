@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -162,3 +165,68 @@ def stop_in_process(loop_thread: LoopThread, running: Running) -> None:
 
 
 StartMaster = Callable[..., Running]
+
+
+class JobProcess:
+    """`dlmaster --job-config` as a subprocess (its own process group, so a
+    test can SIGKILL the master), with `dlmaster status/scale` beside it."""
+
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        self.root = root
+        self.config = root / "job.yaml"
+        self.config.write_text(json.dumps(config))  # JSON is YAML
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> JobProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlfleet.master", "--job-config", str(self.config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        return self
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        assert self.proc is not None
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def control(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "dlfleet.master", *args, "--job-config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def status(self) -> dict[str, Any]:
+        done = self.control("status", "--json")
+        assert done.returncode == 0, done.stderr
+        data: dict[str, Any] = json.loads(done.stdout)
+        return data
+
+    def node_pid(self, name: str) -> int:
+        return int(next(n for n in self.status()["nodes"] if n["name"] == name)["pid"])
+
+    def wait_for(self, predicate: Callable[[], Any], what: str, timeout: float = 60) -> None:
+        """Until `predicate()` is true; fails at once if the job ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}: {self.finish()}")
+            try:
+                if predicate():
+                    return
+            except (OSError, ValueError, AssertionError, KeyError, StopIteration):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    def kill(self) -> None:
+        """SIGKILL the master (its nodes die with it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()

@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import JobProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -39,56 +39,24 @@ WORKER = textwrap.dedent(
 )
 
 
-class Job:
+class Job(JobProcess):
     def __init__(self, root: Path, **settings: Any) -> None:
-        self.root = root
         self.out = root / "out"
         self.out.mkdir()
         (root / "worker.py").write_text(WORKER)
-        config = {
-            "name": "test-job",
-            "command": "worker.py",
-            "args": [str(self.out)],
-            "display": "plain",
-            "relaunch_delay_s": 0.2,
-            "rendezvous": {"last_call_timeout_s": 0.3},
-            "heartbeat": {"interval_s": 0.5, "timeout_s": 5},
-            **settings,
-        }
-        self.config = root / "job.yaml"
-        self.config.write_text(json.dumps(config))  # JSON is YAML
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, env: dict[str, str] | None = None) -> Job:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlfleet.master", "--job-config", str(self.config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
+        super().__init__(
+            root,
+            {
+                "name": "test-job",
+                "command": "worker.py",
+                "args": [str(self.out)],
+                "display": "plain",
+                "relaunch_delay_s": 0.2,
+                "rendezvous": {"last_call_timeout_s": 0.3},
+                "heartbeat": {"interval_s": 0.5, "timeout_s": 5},
+                **settings,
+            },
         )
-        return self
-
-    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
-        assert self.proc is not None
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
-
-    def control(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "dlfleet.master", *args, "--job-config", str(self.config)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-
-    def status(self) -> dict[str, Any]:
-        done = self.control("status", "--json")
-        assert done.returncode == 0, done.stderr
-        data: dict[str, Any] = json.loads(done.stdout)
-        return data
 
     def seen(self) -> list[dict[str, Any]]:
         """What every worker process reported, with its file name."""
@@ -98,26 +66,8 @@ class Job:
             if p.stat().st_size
         ]
 
-    def wait_for(self, predicate: Any, what: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"the job ended while waiting for {what}: {self.finish()}")
-            try:
-                if predicate():
-                    return
-            except (OSError, ValueError, AssertionError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}; seen {self.seen()}")
-
     def stop_workers(self) -> None:
         (self.out / "stop").write_text("")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture
@@ -160,8 +110,7 @@ def test_a_failing_rank_fails_the_job_with_its_traceback(make_job: Any) -> None:
 def test_a_killed_node_is_replaced_and_the_job_still_succeeds(make_job: Any) -> None:
     job = make_job(nodes={"min": 1, "max": 2}, max_node_relaunches=2).start()
     job.wait_for(lambda: len(job.seen()) == 2, "2 workers")
-    victim = next(n for n in job.status()["nodes"] if n["name"] == "node-1")
-    os.kill(victim["pid"], signal.SIGKILL)  # the dlworker; its worker dies with it
+    os.kill(job.node_pid("node-1"), signal.SIGKILL)  # the dlworker; its worker dies with it
 
     def relaunched() -> bool:
         return any(n["relaunches"] == 1 and n["state"] == "running" for n in job.status()["nodes"])
@@ -177,8 +126,7 @@ def test_a_killed_node_is_replaced_and_the_job_still_succeeds(make_job: Any) -> 
 def test_a_lost_node_with_no_relaunch_left_below_min_fails_the_job(make_job: Any) -> None:
     job = make_job(nodes={"min": 2, "max": 2}, max_node_relaunches=0).start()
     job.wait_for(lambda: len(job.seen()) == 2, "2 workers")
-    victim = next(n for n in job.status()["nodes"] if n["name"] == "node-0")
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(job.node_pid("node-0"), signal.SIGKILL)
     code, _, err = job.finish()
     assert code == 1
     assert "node-0 was lost (killed by SIGKILL) and no relaunch is left" in err
