@@ -70,6 +70,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         queue: asyncio.Queue[rendezvous_pb2.SessionEvent] = asyncio.Queue()
         self.membership.sessions[node_id] = queue
         reader = asyncio.create_task(self._read_heartbeats(request_iterator, node_id, incarnation))
+        getter: asyncio.Task[rendezvous_pb2.SessionEvent] | None = None
         try:
             while True:
                 getter = asyncio.create_task(queue.get())
@@ -77,9 +78,12 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
                 if getter in done:
                     yield getter.result()
                     continue
-                getter.cancel()
                 return
         finally:
+            # Also when the RPC itself is cancelled (the master stopping): a
+            # pending getter left behind is "destroyed but pending" at exit.
+            if getter is not None:
+                getter.cancel()
             reader.cancel()
             if self.membership.sessions.get(node_id) is queue:
                 del self.membership.sessions[node_id]

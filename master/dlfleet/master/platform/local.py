@@ -207,6 +207,12 @@ class LocalPlatform:
             "DLFLEET_WORKDIR": str(self.config.work_dir),
             "PYTHONUNBUFFERED": "1",
         }
+        if "OMP_NUM_THREADS" not in env:
+            # All nodes share this machine's cores: without a cap, each
+            # process's intra-op threads would use every core, and the nodes
+            # would slow each other down (three times slower, measured).
+            processes = self.config.nodes.maximum * self.config.nproc_per_node
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
         node.state = NodeState.STARTING
         node.exit_code = None
         node.proc = subprocess.Popen(
