@@ -4,7 +4,10 @@ to a temporary folder so that the checkout stays clean)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,3 +33,20 @@ def test_the_example_job_runs_to_completion(tmp_path: Path, name: str) -> None:
     assert final is not None, out[-3000:]
     assert float(final.group(1)) < 0.5  # it learned something
     assert (tmp_path / "work" / "checkpoints").is_dir()
+
+
+def test_the_quickstart_still_runs_under_plain_torchrun(tmp_path: Path) -> None:
+    """No dlfleet master: rank-based sharding, and a one-line warning."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    script = [str(EXAMPLES / "quickstart" / "train.py"), "--epochs", "1", "--size", "512"]
+    done = subprocess.run(
+        [*torchrun, *script, "--checkpoint-dir", str(tmp_path / "checkpoints")],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: 1 epochs" in done.stdout
+    assert "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset)" in done.stderr
