@@ -37,7 +37,14 @@ def test_the_example_job_runs_to_completion(tmp_path: Path, name: str) -> None:
 
 def test_the_quickstart_still_runs_under_plain_torchrun(tmp_path: Path) -> None:
     """No dlfleet master: rank-based sharding, and a one-line warning."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     script = [str(EXAMPLES / "quickstart" / "train.py"), "--epochs", "1", "--size", "512"]
     done = subprocess.run(
         [*torchrun, *script, "--checkpoint-dir", str(tmp_path / "checkpoints")],
