@@ -25,7 +25,7 @@ from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.rpc import system_clock
-from dlfleet.master.server import MasterServer
+from dlfleet.master.server import MasterServer, load_tls_pair
 from dlfleet.master.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a node waits for a round to form before giving up (default 600)",
     )
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -97,6 +99,17 @@ def _token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     return token
 
 
+def _tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bytes, bytes] | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        return None
+    try:
+        return load_tls_pair(args.tls_cert, args.tls_key)
+    except DlfleetError as exc:
+        parser.error(str(exc))
+
+
 async def _serve(args: argparse.Namespace, token: str) -> None:
     settings = MasterSettings(
         job_name=args.job_name,
@@ -109,7 +122,7 @@ async def _serve(args: argparse.Namespace, token: str) -> None:
     )
     store = open_store(args.store)
     state = MasterState.recover(store, settings, system_clock())
-    server = MasterServer(state, token=token, host=args.host, port=args.port)
+    server = MasterServer(state, token=token, host=args.host, port=args.port, tls=args.tls)
     port = await server.start()
     print(f"dlmaster: listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     token = _token(args, parser)
+    args.tls = _tls(args, parser)
     try:
         asyncio.run(_serve(args, token))
     except DlfleetError as exc:

@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--nodes", type=int, required=True, help="nodes wanted")
         else:
             c.add_argument("--json", action="store_true", help="print the status as JSON")
+        c.add_argument("--tls-ca", type=Path, help="PEM root certificate of a TLS master")
     return p
 
 
@@ -49,8 +50,10 @@ def control_main(argv: list[str]) -> int:
         if args.job_config is not None:
             config = load_job_config(args.job_config)
             master, token = read_master_file(config), job_token(config)
+            ca_file = config.tls_ca_file
         elif args.master:
             master = args.master
+            ca_file = args.tls_ca
             token = (
                 args.token_file.read_text().strip()
                 if args.token_file
@@ -62,7 +65,8 @@ def control_main(argv: list[str]) -> int:
         print(f"dlmaster {args.command}: {exc}", file=sys.stderr)
         return 2
     retry = RetryPolicy(attempts=3, max_backoff_s=0.5, total_budget_s=5.0)
-    with MasterClient(master, token=token, retry=retry) as client:
+    tls_ca = ca_file.read_bytes() if ca_file is not None else None
+    with MasterClient(master, token=token, retry=retry, tls_ca=tls_ca) as client:
         try:
             if args.command == "scale":
                 answer = client.scale(args.nodes)

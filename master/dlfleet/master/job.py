@@ -45,7 +45,7 @@ from dlfleet.master.display import Display
 from dlfleet.master.jobconfig import JobConfig
 from dlfleet.master.platform.local import LocalNode, LocalPlatform, NodeState, describe_exit
 from dlfleet.master.rpc import rpc, system_clock
-from dlfleet.master.server import MasterServer
+from dlfleet.master.server import MasterServer, load_tls_pair
 from dlfleet.master.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
@@ -150,6 +150,7 @@ class JobRunner:
             host=config.master.host,
             port=config.master.port,
             extra_services=[self._add_job_service],
+            tls=self._tls_pair(),
         )
         try:
             port = await self.server.start()
@@ -215,6 +216,12 @@ class JobRunner:
         config.work_dir.rename(previous)
         _log.info("job %s succeeded before; starting afresh (last run kept in %s)",
                   config.name, previous)  # fmt: skip
+
+    def _tls_pair(self) -> tuple[bytes, bytes] | None:
+        tls = self.config.tls
+        if tls is None:
+            return None
+        return load_tls_pair(self.config.path(tls.cert_file), self.config.path(tls.key_file))
 
     async def _forget_old_nodes(self) -> None:
         """Nodes recovered from the store belonged to an earlier master of this

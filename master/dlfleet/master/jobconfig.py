@@ -18,6 +18,8 @@
     state_store: sqlite:///...  # default: sqlite file state.db in the workdir
     token_file: token.txt       # or `token:`; default: a fresh random token
     master: {host: 127.0.0.1, port: 0}
+    tls: {cert_file: master.crt, key_file: master.key}  # serve TLS only; nodes
+                                # verify with ca_file (default: cert_file)
     display: auto               # auto | live | plain | off
 
 Unknown keys are errors (a typo must not silently mean "default"). Relative
@@ -91,6 +93,12 @@ class MasterAddress(_Strict):
     port: int = Field(default=0, ge=0, le=65_535)
 
 
+class TlsConfig(_Strict):
+    cert_file: Path
+    key_file: Path
+    ca_file: Path | None = None
+
+
 class JobConfig(_Strict):
     name: str
     platform: Literal["local"] = "local"
@@ -111,6 +119,7 @@ class JobConfig(_Strict):
     token: str | None = Field(default=None, min_length=1)
     token_file: Path | None = None
     master: MasterAddress = MasterAddress()
+    tls: TlsConfig | None = None
     display: Literal["auto", "live", "plain", "off"] = "auto"
     # Where the job.yaml lies; set by `load_job_config`, not by the file.
     base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
@@ -159,6 +168,13 @@ class JobConfig(_Strict):
         return self.state_store or f"sqlite:///{self.work_dir / 'state.db'}"
 
     @property
+    def tls_ca_file(self) -> Path | None:
+        """The PEM file clients verify the master with."""
+        if self.tls is None:
+            return None
+        return self.path(self.tls.ca_file or self.tls.cert_file)
+
+    @property
     def script(self) -> str:
         """The training script as dlworker gets it: a module name stays as is;
         a relative script path is made absolute against the job.yaml."""
@@ -199,6 +215,11 @@ def parse_job_config(
             raise InvalidArgument(f"{source}: token_file: {token_path}: {exc.strerror}") from None
         if not token:
             raise InvalidArgument(f"{source}: token_file: {token_path} is empty")
+    if config.tls is not None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            value = getattr(config.tls, name)
+            if value is not None and not config.path(value).is_file():
+                raise InvalidArgument(f"{source}: tls.{name}: no such file {config.path(value)}")
     return config
 
 

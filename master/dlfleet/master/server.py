@@ -10,12 +10,16 @@ before any event is applied; it is answered with the status code from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument
@@ -37,6 +41,7 @@ from dlfleet.master.state import MasterState
 _log = logging.getLogger(__name__)
 
 SERVICE_NAMES = ("dlfleet.api.v1.Shards", "dlfleet.api.v1.Nodes", "dlfleet.api.v1.Rendezvous")
+_HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
 
 class _Handlers:
@@ -80,7 +85,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             except DlfleetError as error:
                 code = status_of(error).value[0]
                 response = shards_pb2.LeaseResponse(
-                    error=shards_pb2.StreamError(code=code, message=str(error))
+                    error=shards_pb2.StreamError(code=code, message=bounded_details(str(error)))
                 )
             yield response
 
@@ -197,17 +202,91 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
         return nodes_pb2.DeregisterNodeResponse()
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Every RPC but the health check carries the job token (constant-time
-    compare); without it the answer is UNAUTHENTICATED."""
+# Status details echo client input (names, ids, ranges). A trailer past the
+# client's metadata limit (8 KiB soft, 16 KiB hard by default) is refused by the
+# client, which then sees RESOURCE_EXHAUSTED instead of the real code; non-ASCII
+# bytes are percent-encoded (x3) on the wire.
+MAX_DETAILS_BYTES = 2_000
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+def bounded_details(details: str) -> str:
+    raw = details.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return details
+    cut = raw[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{cut}... ({len(raw)} bytes in all)"
 
-        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
+
+class _Malformed:
+    """What a request that does not parse decodes to: it never reaches a
+    handler, and is answered INVALID_ARGUMENT."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class _Context:
+    """The servicer context as handlers see it: every abort's details bounded."""
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> NoReturn:
+        await self._context.abort(code, bounded_details(details), *args)
+        raise AssertionError("abort returned")  # pragma: no cover - abort raises
+
+
+def _guarded(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` with malformed requests answered INVALID_ARGUMENT (gRPC itself
+    would answer UNKNOWN: an exception escaped the handler) and with every
+    abort's details bounded."""
+    parse = handler.request_deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw) if parse is not None else raw
+        except DecodeError as error:
+            return _Malformed(f"malformed request: {error}")
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded_details(request.why))
+        return request
+
+    async def each_checked(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield await checked(request, context)
+
+    serialize = handler.response_serializer
+    unary: Any = handler.unary_unary
+    streams: Any = handler.stream_stream
+    if inspect.iscoroutinefunction(unary):
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            return await unary(await checked(request, context), _Context(context))
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+    if inspect.isasyncgenfunction(streams):
+
+        async def stream_stream(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            responses = streams(each_checked(requests, context), _Context(context))
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+    return handler  # no other kind among the master's services
+
+
+class RequestGuard(grpc.aio.ServerInterceptor):
+    """Every method but the health check's is `_guarded`."""
 
     async def intercept_service(
         self,
@@ -216,15 +295,69 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
-            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_HEALTH):
+            return handler
+        return _guarded(handler)
+
+
+async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but the health check carries the job token (constant-time
+    compare); without it the answer is UNAUTHENTICATED, before any request is
+    read."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler_call_details.method.startswith(_HEALTH) or self._authenticated(
+            handler_call_details
+        ):
+            return handler
+        # A denial of the method's own kind: a unary one would wait for a
+        # request that a streaming client may never send (a hang, not a status).
+        if handler is not None and handler.request_streaming:
+            if handler.response_streaming:
+                return grpc.stream_stream_rpc_method_handler(_deny)
+            return grpc.stream_unary_rpc_method_handler(_deny)
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(_deny)
+        return grpc.unary_unary_rpc_method_handler(_deny)
+
+    def _authenticated(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_METADATA_KEY:
                 given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._token):
-                    return await continuation(handler_call_details)
-                break
-        return self._deny
+                return hmac.compare_digest(given, self._token)
+        return False
+
+
+def load_tls_pair(cert_file: Path, key_file: Path) -> tuple[bytes, bytes]:
+    """(certificate chain, private key), read and sanity-checked as PEM."""
+    pair = []
+    for what, path, marker in (
+        ("certificate", cert_file, b"-----BEGIN CERTIFICATE-----"),
+        ("private key", key_file, b"PRIVATE KEY-----"),
+    ):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise InvalidArgument(f"TLS {what} {path}: {exc.strerror}") from None
+        if marker not in data:
+            raise InvalidArgument(f"TLS {what} {path}: not a PEM {what}")
+        pair.append(data)
+    return pair[0], pair[1]
 
 
 class MasterServer:
@@ -241,7 +374,9 @@ class MasterServer:
         clock: Clock = system_clock,
         tick_ms: int | None = None,
         extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only."""
         if not token:
             raise InvalidArgument("the master needs a non-empty job token")
         self.state = state
@@ -254,6 +389,7 @@ class MasterServer:
         self.membership: Membership | None = None
         self.rendezvous: RendezvousService | None = None
         self._extra_services = extra_services
+        self._tls = tls
         self.port = 0
 
     async def start(self) -> int:
@@ -261,7 +397,7 @@ class MasterServer:
         durable = Durable(loop)
         membership = Membership(self.state, self.clock, durable.wait)
         server = grpc.aio.server(
-            interceptors=[TokenInterceptor(self._token)],
+            interceptors=[TokenInterceptor(self._token), RequestGuard()],
             options=[
                 ("grpc.so_reuseport", 0),
                 # Clients ping every 10 s to notice a dead master on streams.
@@ -282,7 +418,12 @@ class MasterServer:
             add_service(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        self.port = server.add_insecure_port(self._address)
+        if self._tls is not None:
+            cert, key = self._tls
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            self.port = server.add_secure_port(self._address, credentials)
+        else:
+            self.port = server.add_insecure_port(self._address)
         if self.port == 0:
             raise DlfleetError(f"could not bind the master to {self._address}")
         await server.start()

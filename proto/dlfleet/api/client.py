@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dlfleet.api.errors import Unavailable
+from dlfleet.api.errors import InvalidArgument, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
 from dlfleet.api.v1 import (
     job_pb2,
@@ -71,6 +71,24 @@ def round_lease_request(
     )
 
 
+TLS_CA_ENV = "DLFLEET_TLS_CA"
+
+
+def channel_credentials(tls_ca: bytes | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a channel to the master: from `tls_ca`, or the PEM
+    file named by $DLFLEET_TLS_CA; None (plaintext) when neither is given."""
+    if tls_ca is None:
+        path = os.environ.get(TLS_CA_ENV)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as pem:
+                tls_ca = pem.read()
+        except OSError as exc:
+            raise InvalidArgument(f"${TLS_CA_ENV}: cannot read {path}: {exc.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=tls_ca)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 8
@@ -93,8 +111,12 @@ class MasterClient:
         timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
+        tls_ca: bytes | None = None,
     ) -> None:
+        """`tls_ca`: PEM root certificate(s) to verify a TLS master with; when
+        None, the file named by $DLFLEET_TLS_CA if set, else plaintext."""
         self.target = target
+        self._credentials = channel_credentials(tls_ca)
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self._metadata = ((TOKEN_METADATA_KEY, token),)
@@ -105,7 +127,12 @@ class MasterClient:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        self._channel = channel or grpc.insecure_channel(target, options=self._options)
+        if channel is not None:
+            self._channel = channel
+        elif self._credentials is not None:
+            self._channel = grpc.secure_channel(target, self._credentials, options=self._options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=self._options)
         self._io_loop: _IoLoop | None = None
         self._io_lock = threading.Lock()
         self._shards = shards_pb2_grpc.ShardsStub(self._channel)
@@ -123,7 +150,7 @@ class MasterClient:
     def _io(self) -> _IoLoop:
         with self._io_lock:
             if self._io_loop is None:
-                self._io_loop = _IoLoop(self.target, self._options)
+                self._io_loop = _IoLoop(self.target, self._options, self._credentials)
             return self._io_loop
 
     def __enter__(self) -> MasterClient:
@@ -345,11 +372,19 @@ class _SharedLoop:
 class _IoLoop:
     """A client's grpc.aio channel to the master, on the shared loop."""
 
-    def __init__(self, target: str, options: list[tuple[str, Any]]) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: list[tuple[str, Any]],
+        credentials: grpc.ChannelCredentials | None,
+    ) -> None:
         self.loop = _SharedLoop.get()
 
         async def connect() -> shards_pb2_grpc.ShardsAsyncStub:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+            if credentials is not None:
+                self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(target, options=options)
             return shards_pb2_grpc.ShardsStub(self._channel)
 
         self.stub = self.run(connect())

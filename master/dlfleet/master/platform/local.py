@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from dlfleet.api.client import TLS_CA_ENV
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.jobconfig import JobConfig
 
@@ -207,6 +208,8 @@ class LocalPlatform:
             "DLFLEET_WORKDIR": str(self.config.work_dir),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.config.tls_ca_file is not None:
+            env[TLS_CA_ENV] = str(self.config.tls_ca_file)
         if "OMP_NUM_THREADS" not in env:
             # All nodes share this machine's cores: without a cap, each
             # process's intra-op threads would use every core, and the nodes
