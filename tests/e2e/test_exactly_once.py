@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ EPOCHS = 2
 
 class LedgerJob(JobProcess):
     def __init__(self, root: Path, args: list[str], **settings: Any) -> None:
+        root = root / str(settings.get("name", "ledger"))
+        root.mkdir()
         self.ledger = root / "ledger"
         super().__init__(
             root,
@@ -140,3 +143,37 @@ def test_a_master_killed_mid_epoch_resumes_the_job_from_its_store(make_job: Any)
     assert len(report.attempts) >= 2 and any(r.restored_step > 0 for r in report.restores)
     result = json.loads((job.root / ".dlfleet" / "ledger" / "result.json").read_text())
     assert result["code"] == 0
+
+
+def test_a_master_crash_is_survived_by_the_nodes_with_nothing_lost(make_job: Any) -> None:
+    """SIGKILL the master process alone: the supervisor starts it again on the
+    same address and store, the nodes keep their workers and reconnect, and
+    the job's wall time grows by no more than the master's downtime + 10 s."""
+    args = ["--sleep-per-step", "0.05", "--checkpoint-every", "5"]
+    baseline = make_job(args, name="baseline")
+    started = time.monotonic()
+    baseline.start().succeed()
+    plain_s = time.monotonic() - started
+
+    job = make_job(args)
+    started = time.monotonic()
+    job.start()
+    job.wait_for(lambda: job.steps_logged() >= 2 * 15, "15 steps of 2 ranks")
+    killed_pid = int(job.status()["master_pid"])
+    os.kill(killed_pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def master_back() -> bool:
+        status = job.status()
+        return bool(status["master_up"]) and int(status["master_pid"]) != killed_pid
+
+    job.wait_for(master_back, "the master to be back", timeout=30)
+    downtime_s = time.monotonic() - killed
+    status = job.status()
+    assert status["master_restarts"] == 1
+    assert all(n["relaunches"] == 0 for n in status["nodes"])  # no node was lost
+    job.succeed()
+    crashed_s = time.monotonic() - started
+    job.check()
+    print(f"plain {plain_s:.1f}s, master down {downtime_s:.1f}s, with the crash {crashed_s:.1f}s")
+    assert crashed_s <= plain_s + downtime_s + 10, (plain_s, downtime_s, crashed_s)

@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--forget-nodes",
+        action="store_true",
+        help="drop the nodes recovered from the store at once (they are known dead)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -124,6 +129,10 @@ async def _serve(args: argparse.Namespace, token: str) -> None:
     state = MasterState.recover(store, settings, system_clock())
     server = MasterServer(state, token=token, host=args.host, port=args.port, tls=args.tls)
     port = await server.start()
+    if args.forget_nodes:
+        assert server.membership is not None
+        for record in list(state.nodes.nodes.values()):
+            await server.membership.node_lost(record.node_id, "its master was restarted")
     print(f"dlmaster: listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,7 +1,13 @@
 """`dlmaster --job-config job.yaml`: run a whole job to its end.
 
-The runner owns the master (state, gRPC server) and the platform, on one event
-loop. Every `POLL_S` it looks at the nodes that exited and decides:
+The runner is the job's supervisor: it starts the master as a child process
+(`dlmaster` serve mode on the job's store, on a port fixed for the run) and
+starts it again at once if it dies, so that the nodes keep training through a
+master crash and reconnect to the same address; it starts the nodes (the
+platform), serves the Job service (status, scale) on a port of its own, and
+asks the master how the job stands. Killed itself, it takes the master and
+the nodes with it (parent-death signal); run again, the job resumes from the
+store. Every `POLL_S` it looks at the nodes that exited and decides:
 
 - exit 0: the node's workers finished (or it left when asked to);
 - exit 1: its training failed beyond `max_restarts`: the job fails, and the
@@ -23,12 +29,14 @@ workers and leave the round, and the rest re-form at once).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import secrets
 import shutil
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,18 +44,20 @@ from typing import Any
 
 import grpc
 
-from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
-from dlfleet.master.core.liveness import LivenessSettings
-from dlfleet.master.core.rendezvous import RendezvousSettings
-from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.display import Display
 from dlfleet.master.jobconfig import JobConfig
-from dlfleet.master.platform.local import LocalNode, LocalPlatform, NodeState, describe_exit
-from dlfleet.master.rpc import rpc, system_clock
-from dlfleet.master.server import MasterServer, load_tls_pair
-from dlfleet.master.state import MasterSettings, MasterState
-from dlfleet.master.store.sql import open_store
+from dlfleet.master.platform.local import (
+    LocalMaster,
+    LocalNode,
+    LocalPlatform,
+    NodeState,
+    describe_exit,
+)
+from dlfleet.master.rpc import rpc
+from dlfleet.master.server import TokenInterceptor, load_tls_pair
 
 _log = logging.getLogger(__name__)
 
@@ -56,6 +66,9 @@ RATE_WINDOW_S = 15.0
 EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
 EXIT_NODE_LOST = 3
 MASTER_FILE = "master.json"
+MASTER_START_S = 60.0
+MAX_MASTER_RESTARTS = 10
+_NO_RETRY = RetryPolicy(attempts=1, max_backoff_s=0.1, total_budget_s=2.0)
 RESULT_FILE = "result.json"
 PREVIOUS_RUN = ".previous"
 
@@ -83,22 +96,12 @@ def job_token(config: JobConfig) -> str:
     return token
 
 
-def master_settings(config: JobConfig) -> MasterSettings:
-    return MasterSettings(
-        job_name=config.name,
-        shard=ShardSettings(lease_timeout_ms=int(config.lease_timeout_s * 1000)),
-        liveness=LivenessSettings(
-            heartbeat_interval_ms=int(config.heartbeat.interval_s * 1000),
-            heartbeat_timeout_ms=int(config.heartbeat.timeout_s * 1000),
-        ),
-        rendezvous=RendezvousSettings(
-            min_nodes=config.nodes.min,
-            max_nodes=config.nodes.maximum,
-            node_unit=config.rendezvous.node_unit,
-            last_call_timeout_ms=int(config.rendezvous.last_call_timeout_s * 1000),
-            join_timeout_ms=int(config.rendezvous.join_timeout_s * 1000),
-        ),
-    )
+def _free_port(host: str) -> int:
+    """A port for the master, fixed for the job's run: a restarted master must
+    come back on the address the nodes know."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 class Progress:
@@ -129,8 +132,11 @@ class JobRunner:
         self.reason = ""
         self.result: JobResult | None = None
         self.progress = Progress()
-        self.state: MasterState | None = None
-        self.server: MasterServer | None = None
+        self.master: LocalMaster | None = None
+        self.client: MasterClient | None = None
+        self.view = job_pb2.MasterStatus()  # the master's last answer
+        self.master_up = False
+        self.control: grpc.aio.Server | None = None
         self.platform: LocalPlatform | None = None
         self._interrupted = asyncio.Event()
 
@@ -141,32 +147,33 @@ class JobRunner:
         self._set_aside_finished_run()
         config.work_dir.mkdir(parents=True, exist_ok=True)
         token = job_token(config)
-        self.state = MasterState.recover(
-            open_store(config.store_url), master_settings(config), system_clock()
-        )
-        self.server = MasterServer(
-            self.state,
-            token=token,
-            host=config.master.host,
-            port=config.master.port,
-            extra_services=[self._add_job_service],
-            tls=self._tls_pair(),
+        port = config.master.port or _free_port(config.master.host)
+        self.master = LocalMaster(config, port=port, token=token, on_line=self.display.line)
+        tls_ca = config.tls_ca_file.read_bytes() if config.tls_ca_file else None
+        self.client = MasterClient(
+            self.master.address, token=token, timeout_s=2.0, retry=_NO_RETRY, tls_ca=tls_ca
         )
         try:
-            port = await self.server.start()
-            await self._forget_old_nodes()
-            address = f"{config.master.host}:{port}"
-            self._write_master_file(address)
-            _log.info("job %s: master listening on %s, workdir %s", config.name, address,
-                      config.work_dir)  # fmt: skip
+            self.master.start(forget_nodes=True)
+            if not await asyncio.to_thread(self.master.wait_listening, MASTER_START_S):
+                raise DlfleetError(
+                    f"the master did not start within {MASTER_START_S:g}s "
+                    f"(exit {self.master.poll()}); see {self.master.log_dir / 'master.log'}"
+                )
+            control = await self._serve_control(token)
+            self._write_master_file(control)
+            _log.info("job %s: master on %s, control on %s, workdir %s", config.name,
+                      self.master.address, control, config.work_dir)  # fmt: skip
             self.platform = LocalPlatform(
-                config, master=address, token=token, on_line=self.display.line
+                config, master=self.master.address, token=token, on_line=self.display.line
             )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._interrupted.set)
             self.platform.start(self.target)
             while self.result is None:
+                await self._refresh()
+                self._watch_master()
                 self._step()
                 self.display.update(self.status())
                 if self.result is not None:
@@ -180,6 +187,7 @@ class JobRunner:
             self.phase = "succeeded" if self.result.code == 0 else "failed"
             self.reason = self.result.reason
             await asyncio.to_thread(self.platform.shutdown)
+            await self._refresh()
             self.display.update(self.status())
             if self.result.code != 130:
                 result = {"code": self.result.code, "reason": self.result.reason}
@@ -188,9 +196,51 @@ class JobRunner:
         finally:
             if self.platform is not None:
                 self.platform.shutdown(grace_s=1.0)
-            await self.server.stop()
-            self.state.close()
+            await asyncio.to_thread(self.master.stop)
+            self.client.close()
+            if self.control is not None:
+                await self.control.stop(0)
             (config.work_dir / MASTER_FILE).unlink(missing_ok=True)
+
+    async def _refresh(self) -> None:
+        """Ask the master how the job stands; while it is down, the last
+        answer stands."""
+        assert self.client is not None
+        try:
+            self.view = await asyncio.to_thread(self.client.master_status)
+            self.master_up = True
+        except DlfleetError:
+            self.master_up = False
+
+    def _watch_master(self) -> None:
+        """A master that died is started again at once, on the same address
+        and store: the nodes keep training and reconnect to it."""
+        assert self.master is not None
+        code = self.master.poll()
+        if code is None:
+            return
+        if self.master.restarts >= MAX_MASTER_RESTARTS:
+            why = f"the master died ({describe_exit(code)}) after {self.master.restarts} restarts"
+            self._finish(1, f"{why}; see {self.master.log_dir / 'master.log'}")
+            return
+        _log.warning("the master died (%s): starting it again", describe_exit(code))
+        self.master.start()
+
+    async def _serve_control(self, token: str) -> str:
+        """The Job service (status, scale) on a port of its own: it must stay
+        up while the master restarts."""
+        server = grpc.aio.server(interceptors=[TokenInterceptor(token)])
+        job_pb2_grpc.add_JobServicer_to_server(JobService(self), server)
+        host = self.config.master.host
+        address = f"{host}:0"
+        tls = self._tls_pair()
+        if tls is not None:
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        self.control = server
+        return f"{host}:{port}"
 
     def _set_aside_finished_run(self) -> None:
         """A job that succeeded is done: running it again starts it afresh,
@@ -222,15 +272,6 @@ class JobRunner:
         if tls is None:
             return None
         return load_tls_pair(self.config.path(tls.cert_file), self.config.path(tls.key_file))
-
-    async def _forget_old_nodes(self) -> None:
-        """Nodes recovered from the store belonged to an earlier master of this
-        job; on the local platform they died with it. Drop them now (closing
-        their round) rather than after their heartbeat timeout."""
-        assert self.state is not None and self.server is not None
-        assert self.server.membership is not None
-        for record in list(self.state.nodes.nodes.values()):
-            await self.server.membership.node_lost(record.node_id, "its master was restarted")
 
     def _step(self) -> None:
         assert self.platform is not None
@@ -289,6 +330,9 @@ class JobRunner:
     def _root_cause(self, node: LocalNode, how: str) -> str:
         """The last failure its agent reported: rank, exit, traceback."""
         assert self.platform is not None
+        assert self.client is not None
+        with contextlib.suppress(DlfleetError):  # its report came before its exit
+            self.view = self.client.master_status()
         report = self._last_failure(node.name)
         log = self.platform.log_dir / f"{node.name}.log"
         if report is None:
@@ -302,9 +346,7 @@ class JobRunner:
         )
 
     def _last_failure(self, node_name: str | None = None) -> rendezvous_pb2.FailureReport | None:
-        if self.server is None or self.server.rendezvous is None:
-            return None
-        for report in reversed(self.server.rendezvous.failures):
+        for report in reversed(self.view.failures):
             if node_name is None or report.node_id.rpartition("#")[0] == node_name:
                 return report
         return None
@@ -337,13 +379,21 @@ class JobRunner:
     # --------------------------------------------------------------- status
 
     def status(self) -> job_pb2.JobStatus:
+        view = self.view
         status = job_pb2.JobStatus(
             job_name=self.config.name,
             phase=self.phase,
             target_nodes=self.target,
             reason=self.reason,
             eta_seconds=-1,
+            round=view.round,
+            world_size=view.world_size,
+            datasets=view.datasets,
+            master_up=self.master_up,
         )
+        if self.master is not None:
+            status.master_pid = self.master.pid
+            status.master_restarts = max(0, self.master.restarts)
         if self.platform is not None:
             for node in self.platform.nodes:
                 status.nodes.append(
@@ -354,31 +404,8 @@ class JobRunner:
                         relaunches=node.relaunches,
                     )
                 )
-        if self.state is None:
-            return status
-        active = self.state.rendezvous.state.active
-        if active is not None:
-            status.round = active.round
-            status.world_size = sum(active.local_world_sizes())
-        done = remaining = 0
-        for name in sorted(self.state.book.datasets):
-            view = self.state.book.status(name)
-            per_epoch, epochs = view.records_per_epoch, view.config.epochs
-            trained = per_epoch * epochs if view.finished else per_epoch * view.epoch
-            trained += 0 if view.finished else view.records_done
-            status.datasets.append(
-                job_pb2.DatasetProgress(
-                    name=name,
-                    epoch=view.epoch,
-                    epochs=epochs,
-                    records_per_epoch=per_epoch,
-                    records_done=trained,
-                    records_total=per_epoch * epochs,
-                    failed_shards=len(view.failed),
-                )
-            )
-            done += trained
-            remaining += per_epoch * epochs - trained
+        done = sum(ds.records_done for ds in view.datasets)
+        remaining = sum(ds.records_total - ds.records_done for ds in view.datasets)
         self.progress.add(time.monotonic(), done)
         status.samples_per_second = self.progress.rate()
         if status.samples_per_second > 0:
@@ -395,9 +422,6 @@ class JobRunner:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
         tmp.replace(path)
-
-    def _add_job_service(self, server: grpc.aio.Server) -> None:
-        job_pb2_grpc.add_JobServicer_to_server(JobService(self), server)
 
 
 class JobService(job_pb2_grpc.JobServicer):

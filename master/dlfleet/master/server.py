@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
 from dlfleet.api.v1 import (
+    job_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
     rendezvous_pb2_grpc,
@@ -37,10 +38,16 @@ from dlfleet.master.membership import Membership
 from dlfleet.master.rendezvous_service import RendezvousService
 from dlfleet.master.rpc import Clock, Durable, rpc, system_clock
 from dlfleet.master.state import MasterState
+from dlfleet.master.status_service import MasterStatusService
 
 _log = logging.getLogger(__name__)
 
-SERVICE_NAMES = ("dlfleet.api.v1.Shards", "dlfleet.api.v1.Nodes", "dlfleet.api.v1.Rendezvous")
+SERVICE_NAMES = (
+    "dlfleet.api.v1.Shards",
+    "dlfleet.api.v1.Nodes",
+    "dlfleet.api.v1.Rendezvous",
+    "dlfleet.api.v1.Master",
+)
 _HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
 
@@ -414,6 +421,9 @@ class MasterServer:
         )
         self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
+        job_pb2_grpc.add_MasterServicer_to_server(
+            MasterStatusService(self.state, self.rendezvous.failures), server
+        )
         for add_service in self._extra_services:
             add_service(server)
         health_servicer = health.aio.HealthServicer()

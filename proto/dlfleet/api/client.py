@@ -139,6 +139,7 @@ class MasterClient:
         self._nodes = nodes_pb2_grpc.NodesStub(self._channel)
         self._rendezvous = rendezvous_pb2_grpc.RendezvousStub(self._channel)
         self._job = job_pb2_grpc.JobStub(self._channel)
+        self._master = job_pb2_grpc.MasterStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -290,6 +291,10 @@ class MasterClient:
 
     def job_status(self) -> job_pb2.JobStatus:
         return self._call("GetStatus", self._job.GetStatus, job_pb2.JobStatusRequest())
+
+    def master_status(self) -> job_pb2.MasterStatus:
+        request = job_pb2.MasterStatusRequest()
+        return self._call("GetStatus", self._master.GetStatus, request)
 
     def scale(self, nodes: int) -> job_pb2.ScaleResponse:
         """Ask the job's platform for `nodes` nodes (within the job's min..max)."""

@@ -1,0 +1,53 @@
+"""The `Master` status service: what this master knows about the job (the
+active round, each dataset's progress over all epochs, the latest worker
+failures), for the job's supervisor and its display."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.master.rpc import rpc
+from dlfleet.master.state import MasterState
+
+
+def master_status(
+    state: MasterState, failures: Iterable[rendezvous_pb2.FailureReport]
+) -> job_pb2.MasterStatus:
+    status = job_pb2.MasterStatus(nodes_live=len(state.nodes.nodes))
+    active = state.rendezvous.state.active
+    if active is not None:
+        status.round = active.round
+        status.world_size = sum(active.local_world_sizes())
+    for name in sorted(state.book.datasets):
+        view = state.book.status(name)
+        per_epoch, epochs = view.records_per_epoch, view.config.epochs
+        done = per_epoch * epochs if view.finished else per_epoch * view.epoch + view.records_done
+        status.datasets.append(
+            job_pb2.DatasetProgress(
+                name=name,
+                epoch=view.epoch,
+                epochs=epochs,
+                records_per_epoch=per_epoch,
+                records_done=done,
+                records_total=per_epoch * epochs,
+                failed_shards=len(view.failed),
+            )
+        )
+    status.failures.extend(failures)
+    return status
+
+
+class MasterStatusService(job_pb2_grpc.MasterServicer):
+    def __init__(
+        self, state: MasterState, failures: Iterable[rendezvous_pb2.FailureReport]
+    ) -> None:
+        self.state = state
+        self.failures = failures
+
+    @rpc
+    async def GetStatus(
+        self, request: job_pb2.MasterStatusRequest, context: Any
+    ) -> job_pb2.MasterStatus:
+        return master_status(self.state, self.failures)
