@@ -17,7 +17,9 @@ store. Every `POLL_S` it looks at the nodes that exited and decides:
   dropped for silence, rendezvous timed out): the node is lost. It is replaced
   after `relaunch_delay_s` while the job's `max_node_relaunches` last and the
   job wants it (target nodes); with none left, the job goes on with the nodes
-  it has while they are at least `nodes.min`, and fails otherwise;
+  it has while they are at least `nodes.min`, and fails otherwise. A node lost
+  `FAULTY_AFTER_LOSSES` times is marked faulty and replaced by a fresh node
+  (a new name: on a cluster, another host) instead of relaunched again;
 - anything else (2: dlworker refused its flags): the job fails.
 
 The job succeeds when no node is active any more and at least one succeeded.
@@ -65,6 +67,7 @@ POLL_S = 0.2
 RATE_WINDOW_S = 15.0
 EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
 EXIT_NODE_LOST = 3
+FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
 MASTER_START_S = 60.0
 MAX_MASTER_RESTARTS = 10
@@ -306,6 +309,17 @@ class JobRunner:
             wanted = len(self.platform.active) < self.target
             if wanted and self.relaunches_left > 0:
                 self.relaunches_left -= 1
+                if node.relaunches + 1 >= FAULTY_AFTER_LOSSES:
+                    # This slot keeps dying: retire it, and replace it with a
+                    # fresh node rather than retry it forever.
+                    node.state = NodeState.FAULTY
+                    fresh = self.platform.add_node(delay_s=self.config.relaunch_delay_s)
+                    _log.warning(
+                        "%s was lost %d times (last: %s): marked faulty, replaced by %s "
+                        "(%d relaunches left)",
+                        node.name, node.relaunches + 1, how, fresh.name, self.relaunches_left,
+                    )  # fmt: skip
+                    return
                 _log.warning(
                     "%s was lost (%s): relaunching it in %.1fs (%d relaunches left)",
                     node.name, how, self.config.relaunch_delay_s, self.relaunches_left,

@@ -30,6 +30,8 @@ WORKER = textwrap.dedent(
     me = f"{env['DLFLEET_NODE_ID']}-r{env['DLFLEET_ROUND']}-{env['LOCAL_RANK']}"
     with open(os.path.join(out, me + ".json"), "w") as f:
         json.dump({"world": int(os.environ["WORLD_SIZE"]), "rank": int(os.environ["RANK"])}, f)
+    if env["DLFLEET_NODE_ID"].startswith(os.environ.get("KILL_AGENT_OF", "-")):
+        os.kill(os.getppid(), 9)  # a node that keeps dying: SIGKILL its agent
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
         raise ZeroDivisionError("rank " + os.environ["RANK"] + " divides by zero")
     deadline = time.monotonic() + float(os.environ.get("SECONDS_TO_RUN", "60"))
@@ -121,6 +123,22 @@ def test_a_killed_node_is_replaced_and_the_job_still_succeeds(make_job: Any) -> 
     code, out, err = job.finish()
     assert code == 0, err
     assert "node-1 was lost (killed by SIGKILL): relaunching it" in out
+
+
+def test_a_node_lost_three_times_is_marked_faulty_and_replaced(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 2}, max_node_relaunches=5)
+    job.start(env={"KILL_AGENT_OF": "node-1#"})
+
+    def replaced() -> bool:
+        states = {n["name"]: (n["state"], n["relaunches"]) for n in job.status()["nodes"]}
+        return states.get("node-1") == ("faulty", 2) and states.get("node-2", ("",))[0] == "running"
+
+    job.wait_for(replaced, "node-1 retired and node-2 started")
+    job.wait_for(lambda: any("node-2#1" in s["file"] for s in job.seen()), "node-2 working")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    assert "node-1 was lost 3 times (last: killed by SIGKILL): marked faulty, replaced" in out
 
 
 def test_a_lost_node_with_no_relaunch_left_below_min_fails_the_job(make_job: Any) -> None:

@@ -44,6 +44,7 @@ class NodeState(enum.Enum):
     FAILED = "failed"  # its training failed beyond its restarts
     LOST = "lost"  # it died or lost the job; may be replaced
     STOPPED = "stopped"  # left when asked
+    FAULTY = "faulty"  # lost too often: retired and replaced
 
 
 @dataclass
@@ -105,10 +106,13 @@ class LocalPlatform:
         for _ in range(count):
             self.add_node()
 
-    def add_node(self) -> LocalNode:
+    def add_node(self, delay_s: float = 0.0) -> LocalNode:
         node = LocalNode(name=f"node-{len(self.nodes)}", index=len(self.nodes))
         self.nodes.append(node)
-        self._launch(node)
+        if delay_s > 0:
+            node.start_at = time.monotonic() + delay_s  # poll() launches it
+        else:
+            self._launch(node)
         return node
 
     def relaunch(self, node: LocalNode, delay_s: float) -> None:
