@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from dlfleet.api.processes import die_with_parent
+from dlfleet.worker.agent import workers as workers_module
 from dlfleet.worker.agent.config import AgentConfig, StreamSpec
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.workers import (
@@ -163,6 +164,23 @@ def test_a_worker_killed_by_a_signal_reports_the_signal(group: WorkerGroup, tmp_
     assert (failure.exit_code, failure.signal_name) == (-9, "SIGKILL")
     assert failure.message == "killed by SIGKILL"
     assert failure.pid == group.pids[0]
+
+
+def test_a_sigkill_while_the_oom_kill_count_rose_is_reported_as_out_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel is stood in for: the cgroup's oom_kill counter reads 3 when
+    the group starts and 4 after the worker died of SIGKILL (what the OOM
+    killer leaves behind); the worker SIGKILLs itself."""
+    counts = iter([3, 4])
+    monkeypatch.setattr(workers_module, "oom_kill_count", lambda: next(counts))
+    group = WorkerGroup()
+    path = script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    start(group, config(path, nproc=1), tmp_path)
+    failure = until(group, GroupStatus.FAILED).failure
+    group.stop(timeout_s=1.0)
+    assert failure is not None
+    assert failure.message == "killed by SIGKILL (out of memory: the kernel's OOM killer)"
 
 
 def test_a_recorded_exception_is_read_back_from_the_error_file(

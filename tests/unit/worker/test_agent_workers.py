@@ -10,6 +10,7 @@ from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.workers import (
     ErrorFileReport,
     attempt_log_dir,
+    oom_kill_count,
     read_error_file,
     worker_command,
 )
@@ -92,3 +93,25 @@ def test_no_file_or_an_empty_file_is_no_report(tmp_path: Path) -> None:
     assert read_error_file(tmp_path / "absent.json") is None
     (tmp_path / "empty.json").write_text("  \n")
     assert read_error_file(tmp_path / "empty.json") is None
+
+
+def test_oom_kills_are_read_from_cgroup_v2_memory_events(tmp_path: Path) -> None:
+    (tmp_path / "cg").write_text("0::/jobs/a\n")
+    events = tmp_path / "root" / "jobs" / "a" / "memory.events"
+    events.parent.mkdir(parents=True)
+    events.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    assert oom_kill_count(tmp_path / "cg", tmp_path / "root") == 2
+
+
+def test_oom_kills_are_read_from_cgroup_v1_oom_control(tmp_path: Path) -> None:
+    (tmp_path / "cg").write_text("5:cpu:/\n4:memory:/jobs/b\n0::/\n")
+    control = tmp_path / "root" / "memory" / "memory.oom_control"  # a namespaced view
+    control.parent.mkdir(parents=True)
+    control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n")
+    assert oom_kill_count(tmp_path / "cg", tmp_path / "root") == 7
+
+
+def test_no_cgroup_means_no_oom_count(tmp_path: Path) -> None:
+    assert oom_kill_count(tmp_path / "absent", tmp_path) is None
+    (tmp_path / "cg").write_text("0::/\n")
+    assert oom_kill_count(tmp_path / "cg", tmp_path / "root") is None

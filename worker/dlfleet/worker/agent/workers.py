@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # An error file or log tail larger than this is read only up to it.
 MAX_REPORT_BYTES = 1 << 20
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 STDERR_TAIL_LINES = 20
 _STOP_POLL_S = 0.05
 
@@ -112,6 +113,39 @@ def attempt_log_dir(log_dir: Path, round_id: int) -> Path:
     """The folder of one round's logs; the agent passes it to
     `worker_environments` as the error file folder too."""
     return log_dir / str(round_id)
+
+
+def oom_kill_count(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT
+) -> int | None:
+    """How many processes the kernel's OOM killer has killed in this
+    process's memory cgroup (v2 `memory.events`, v1 `memory.oom_control`),
+    or None where that is not readable. Workers share the agent's cgroup, so
+    a rise while a worker died of SIGKILL means the kernel killed it for
+    memory."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[Path] = []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if hierarchy == "0" and not controllers:
+            candidates.append(root / relative / "memory.events")
+        elif "memory" in controllers.split(","):
+            candidates.append(root / "memory" / relative / "memory.oom_control")
+            candidates.append(root / "memory" / "memory.oom_control")  # a namespaced view
+    for candidate in candidates:
+        try:
+            text = candidate.read_text()
+        except OSError:
+            continue
+        for entry in text.splitlines():
+            key, _, value = entry.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
 
 
 def _signal_name(exit_code: int) -> str | None:
@@ -242,6 +276,7 @@ class WorkerGroup:
         self._started = False
         self._failure: WorkerFailure | None = None
         self._final: GroupState | None = None
+        self._oom_kills_at_start = oom_kill_count()
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -373,6 +408,8 @@ class WorkerGroup:
                 pump.thread.join(timeout=1.0)
             tail = _tail(worker.stderr_log, STDERR_TAIL_LINES) if worker.stderr_log else None
             summary = f"killed by {signal_name}" if signal_name else f"exited with code {code}"
+            if signal_name == "SIGKILL" and self._oom_killed():
+                summary += " (out of memory: the kernel's OOM killer)"
             message = f"{summary}; stderr ends with:\n{tail}" if tail else summary
         return WorkerFailure(
             local_rank=worker.local_rank,
@@ -384,6 +421,11 @@ class WorkerGroup:
             timestamp=timestamp,
             error_file=str(worker.error_file) if report is not None else None,
         )
+
+    def _oom_killed(self) -> bool:
+        now = oom_kill_count()
+        before = self._oom_kills_at_start
+        return now is not None and before is not None and now > before
 
     def stop(self, timeout_s: float) -> GroupState:
         """SIGTERM every worker's process group, SIGKILL what is left after
