@@ -70,13 +70,14 @@ def job(
             nproc: int = 1,
             max_restarts: int = 0,
             env: dict[str, str] | None = None,
+            flags: tuple[str, ...] = (),
         ) -> subprocess.Popen[str]:
             argv = [
                 sys.executable, "-m", "dlfleet.worker.agent.loop",
                 "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", str(nproc),
                 "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
                 "--master", master.address, "--node-name", name,
-                "--log-dir", str(tmp_path / "logs" / name),
+                "--log-dir", str(tmp_path / "logs" / name), *flags,
                 str(SCRIPT), str(out), str(steps), str(pause),
             ]  # fmt: skip
             proc = subprocess.Popen(
@@ -186,6 +187,23 @@ def test_a_rank_that_always_fails_exhausts_restarts_with_the_root_cause(
     assert code == 1
     assert "restart 2 of 2" in out
     assert "local rank 0 on a#1" in out and "rank 0 always fails" in out
+
+
+def test_a_silent_hang_is_turned_into_a_restart_by_the_step_watchdog(
+    job: Callable[..., Any],
+) -> None:
+    _, agent, workers = job(1, 1)
+    a = agent(
+        "a", nproc=2, steps=8, pause=0.2, max_restarts=1, env={"FAIL_MODE": "hang"},
+        flags=("--step-timeout", "2"),
+    )  # fmt: skip
+    started = time.monotonic()
+    code, out = finish(a, timeout=90)
+    assert code == 0, out
+    assert "hung: no training step for" in out and "--step-timeout 2s" in out
+    assert len(workers.steps(1, 0)) == 3  # stuck before step 3 (steps 0, 1, 2 done)
+    assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 8  # the restart finished
+    assert time.monotonic() - started < 60
 
 
 def test_scale_up_from_one_node_to_two_mid_run(job: Callable[..., Any]) -> None:

@@ -9,6 +9,8 @@
     module: false               # true: `command` is a module (python -m)
     env: {}                     # extra environment for the training processes
     max_restarts: 3             # worker-group restarts per node before it fails
+    step_timeout_s: 300         # watchdog: a rank that stops stepping this long is
+                                # restarted (a hang); default off
     max_node_relaunches: 3      # replacements of dead nodes, for the whole job
     relaunch_delay_s: 2.0       # pause before a dead node is replaced
     rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
@@ -109,6 +111,7 @@ class JobConfig(_Strict):
     module: bool = False
     env: dict[str, str] = Field(default_factory=dict)
     max_restarts: int = Field(default=3, ge=0, le=1_000)
+    step_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
     relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
     rendezvous: RendezvousConfig = RendezvousConfig()

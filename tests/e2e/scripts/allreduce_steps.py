@@ -6,6 +6,9 @@ Each rank records its torchrun environment once and one line per step
 (round, rank, world size, the allreduce of ones). FAIL_MODE=once makes global
 rank 0 exit 3 on the first attempt; FAIL_MODE=always makes it raise every time
 (inside @record, so the agent reads the traceback from the error file).
+FAIL_MODE=hang makes global rank 1 stop forever before step 3 of the first
+attempt, so that rank 0 waits in its all-reduce: a silent hang. Each step is
+reported to the agent's watchdog (dlfleet.worker.progress).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from dlfleet.worker import progress
 
 KEYS = [
     "RANK",
@@ -59,11 +64,15 @@ def main() -> None:
     (out / f"env-{tag}.json").write_text(json.dumps({k: os.environ.get(k) for k in KEYS}))
     with (out / f"steps-{tag}.jsonl").open("a") as log:
         for step in range(steps):
+            if mode == "hang" and rank == 1 and step == 3 and round_id == "1":
+                time.sleep(3600)
             total = torch.ones(1)
             dist.all_reduce(total)
             log.write(json.dumps({"step": step, "world": world, "sum": total.item()}) + "\n")
             log.flush()
+            progress.step()
             time.sleep(pause)
+    progress.idle()  # the teardown below is not a step
     dist.destroy_process_group()
 
 

@@ -306,3 +306,11 @@ def test_config_or_exit_prints_one_line_and_exits_2() -> None:
 
 def test_config_or_exit_returns_the_config_for_good_input() -> None:
     assert config_or_exit(["t.py"], {**BASE_ENV, "DLFLEET_NODE_NAME": "n"}).node_name == "n"
+
+
+def test_the_step_watchdog_is_off_unless_asked_for() -> None:
+    assert parse("train.py").step_timeout_s == 0.0
+    assert parse("--step-timeout", "30", "train.py").step_timeout_s == 30.0
+    assert parse("train.py", env={"DLFLEET_STEP_TIMEOUT": "2.5"}).step_timeout_s == 2.5
+    assert "--step-timeout" in str(error("--step-timeout", "soon", "train.py"))
+    assert "must be > 0" in str(error("--step-timeout", "-1", "train.py"))

@@ -199,6 +199,8 @@ class LocalPlatform:
             # then carries the end of its stderr (the traceback).
             "--tee", "3",
         ]  # fmt: skip
+        if config.step_timeout_s is not None:
+            command += ["--step-timeout", str(config.step_timeout_s)]
         if config.module:
             command.append("--module")
         return [*command, config.script, *config.args]

@@ -45,6 +45,7 @@ MASTER_ENV = "DLFLEET_MASTER"
 TOKEN_ENV = "DLFLEET_TOKEN"
 JOB_ENV = "DLFLEET_JOB"
 NODE_NAME_ENV = "DLFLEET_NODE_NAME"
+STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
 
 # `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
 # an explicit integer is never capped.
@@ -171,6 +172,7 @@ class AgentConfig:
     tee: StreamSpec = StreamSpec()
     job_name: str = "job"
     node_name: str = "localhost"
+    step_timeout_s: float = 0.0  # 0: no watchdog
 
     def __post_init__(self) -> None:
         if not self.training_script:
@@ -189,6 +191,8 @@ class AgentConfig:
             )
         if self.module and self.no_python:
             raise ConfigError("--no-python", "cannot be combined with -m/--module")
+        if self.step_timeout_s < 0:
+            raise ConfigError("--step-timeout", f"must be >= 0 seconds, got {self.step_timeout_s}")
         for name, spec in (("--redirects", self.redirects), ("--tee", self.tee)):
             if spec.highest_rank() >= self.nproc_per_node:
                 raise ConfigError(
@@ -296,6 +300,14 @@ def _parser() -> argparse.ArgumentParser:
         "--node-name",
         dest="node_name",
         help=f"this node's name (default the hostname; env {NODE_NAME_ENV})",
+    )
+    add(
+        "--step-timeout",
+        dest="step_timeout",
+        help=(
+            "restart the workers when a rank that has trained makes no step for this many "
+            f"seconds, a hang (default off; env {STEP_TIMEOUT_ENV})"
+        ),
     )
     add("training_script", help="the training script (or module, with -m), then its arguments")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -463,6 +475,7 @@ def parse_args(
         raise ConfigError(master.source, str(exc)) from None
     job = src.get("job_name", "--job-name", JOB_ENV)
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
+    step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
 
     return AgentConfig(
         training_script=str(args.training_script),
@@ -483,6 +496,7 @@ def parse_args(
         tee=_streams(src.get("tee", "--tee", "PET_TEE"), nproc),
         job_name=job.text if job else "job",
         node_name=node.text if node else probe.hostname(),
+        step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
     )
 
 

@@ -48,6 +48,7 @@ from dlfleet.worker.agent.workers import (
     WorkerGroup,
     attempt_log_dir,
 )
+from dlfleet.worker.progress import PROGRESS_ENV
 
 _log = logging.getLogger("dlworker")
 
@@ -134,6 +135,7 @@ class Agent:
         self.session: AgentSession | None = None
         self.group: WorkerGroup | None = None
         self.rounds: list[RoundAssignment] = []
+        self.progress_dir = self.log_dir / "progress"
 
     # ---------------------------------------------------------------- life
 
@@ -234,6 +236,10 @@ class Agent:
             agent_environ=os.environ,
             extra={NODE_ID_ENV: self.node_id, TOKEN_ENV: self.config.token},
         )
+        self.progress_dir = attempt_dir / "progress"
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
+        for local_rank, env in enumerate(envs):
+            env[PROGRESS_ENV] = str(self.progress_dir / str(local_rank))
         self.group = WorkerGroup()
         self.group.start(self.config, envs, self.log_dir, assignment.round)
         return Running(assignment, phase.restart_count)
@@ -263,7 +269,33 @@ class Agent:
             self._stop_workers()
             assert state.failure is not None
             return Restarting(state.failure, phase.restart_count)
+        hung = self._hung_rank()
+        if hung is not None:
+            self._stop_workers()
+            return Restarting(hung, phase.restart_count)
         return phase
+
+    def _hung_rank(self) -> WorkerFailure | None:
+        """The watchdog: a rank that stepped once, then not for step_timeout."""
+        timeout = self.config.step_timeout_s
+        if timeout <= 0 or self.group is None:
+            return None
+        now = time.time()
+        for local_rank, pid in enumerate(self.group.pids):
+            try:
+                stalled = now - (self.progress_dir / str(local_rank)).stat().st_mtime
+            except FileNotFoundError:
+                continue  # not trained yet: start-up has no step to time
+            if stalled > timeout:
+                message = (
+                    f"hung: no training step for {stalled:.1f}s "
+                    f"(--step-timeout {timeout:g}s); the workers were stopped"
+                )
+                _log.error("local rank %d %s", local_rank, message)
+                return WorkerFailure(
+                    local_rank, pid, exit_code=-1, signal_name=None, message=message
+                )
+        return None
 
     # ------------------------------------------------------------- helpers
 
