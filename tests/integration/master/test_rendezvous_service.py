@@ -86,11 +86,16 @@ def test_joins_block_until_the_round_forms_and_agree_on_it(
     results = join_all(nodes)
     assert {r.round for r in results} == {1}
     assert sorted(r.group_rank for r in results) == [0, 1, 2]
+    # Ranks follow the join order, which concurrent joins do not fix: every
+    # node must see the same order, and each node's own size in it.
+    lws_of = {n.node_id: i + 1 for i, n in enumerate(nodes)}
+    order = list(results[0].node_ids)
+    assert sorted(order) == sorted(lws_of)
     for r in results:
         assert r.group_world_size == 3
-        assert list(r.local_world_sizes) == [1, 2, 3]
+        assert list(r.node_ids) == order
+        assert list(r.local_world_sizes) == [lws_of[node] for node in order]
         assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, 29500)
-        assert list(r.node_ids) == [n.node_id for n in nodes]
     assert master.client.rendezvous_state().round == 1
 
 
