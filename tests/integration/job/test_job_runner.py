@@ -99,6 +99,21 @@ def test_a_job_runs_every_node_and_exits_zero(make_job: Any) -> None:
     assert (job.root / ".dlfleet" / "test-job" / "logs" / "node-1.log").stat().st_size > 0
 
 
+def test_the_job_token_is_never_logged(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, nproc_per_node=2).start()
+    job.wait_for(lambda: len(job.seen()) == 4, "4 workers")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    workdir = job.root / ".dlfleet" / "test-job"
+    token = (workdir / "token").read_text().strip()
+    assert len(token) >= 32 and (workdir / "token").stat().st_mode & 0o077 == 0
+    logs = [p for p in workdir.rglob("*") if p.is_file() and p.name != "token"]
+    assert any(p.suffix == ".log" for p in logs)
+    for text in [out, err, *(p.read_bytes().decode(errors="replace") for p in logs)]:
+        assert token not in text
+
+
 def test_a_failing_rank_fails_the_job_with_its_traceback(make_job: Any) -> None:
     job = make_job(nodes={"min": 2, "max": 2}, max_restarts=1).start(env={"FAIL_RANK": "1"})
     code, _, err = job.finish()
