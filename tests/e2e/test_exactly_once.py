@@ -145,17 +145,20 @@ def test_a_master_killed_mid_epoch_resumes_the_job_from_its_store(make_job: Any)
     assert result["code"] == 0
 
 
-def test_a_master_crash_is_survived_by_the_nodes_with_nothing_lost(make_job: Any) -> None:
+def test_a_master_crash_is_survived_by_the_nodes_with_nothing_lost(
+    make_job: Any, store_url: str
+) -> None:
     """SIGKILL the master process alone: the supervisor starts it again on the
-    same address and store, the nodes keep their workers and reconnect, and
-    the job's wall time grows by no more than the master's downtime + 10 s."""
+    same address and store (a SQLite file, or PostgreSQL), the nodes keep
+    their workers and reconnect, and the job's wall time grows by no more than
+    the master's downtime + 10 s."""
     args = ["--sleep-per-step", "0.05", "--checkpoint-every", "5"]
     baseline = make_job(args, name="baseline")
     started = time.monotonic()
     baseline.start().succeed()
     plain_s = time.monotonic() - started
 
-    job = make_job(args)
+    job = make_job(args, state_store=store_url)
     started = time.monotonic()
     job.start()
     job.wait_for(lambda: job.steps_logged() >= 2 * 15, "15 steps of 2 ranks")

@@ -390,7 +390,13 @@ class MasterServer:
         self.clock = clock
         self._token = token
         self._address = f"{host}:{port}"
-        self._tick_s = (tick_ms or min(1000, state.settings.shard.lease_timeout_ms // 4)) / 1000
+        # Expiry runs often enough that a silent node is dropped within its
+        # heartbeat timeout plus a quarter of it, never a fixed second later.
+        settings = state.settings
+        every_ms = min(
+            1000, settings.shard.lease_timeout_ms // 4, settings.liveness.heartbeat_timeout_ms // 4
+        )
+        self._tick_s = (tick_ms or max(every_ms, 10)) / 1000
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.membership: Membership | None = None

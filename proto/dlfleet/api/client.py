@@ -91,9 +91,12 @@ def channel_credentials(tls_ca: bytes | None = None) -> grpc.ChannelCredentials 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 8
+    """By default a call rides out a master that restarts (about 30 s of
+    retries); callers that must answer quickly pass a shorter policy."""
+
+    attempts: int = 40
     initial_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 1.0
     total_budget_s: float = 30.0
 
     def backoff(self, attempt: int) -> float:
@@ -535,7 +538,12 @@ class AgentSession:
                     attempt = 0
                     self.broken.clear()
                     self.events.put(event)
-                return  # the master ended the session: it is shutting down
+                # Ended without an error: the master stopped reading because a
+                # heartbeat was stale (this incarnation was dropped, say while
+                # its link was down), or it is going down. Reopen: a master
+                # that no longer knows this incarnation refuses the new session
+                # (closed_by_master below); a master restart is a break.
+                self.broken.set()
             except grpc.RpcError as error:
                 if error.code() in _RETRYABLE:
                     self.broken.set()
