@@ -76,8 +76,8 @@ def test_limits_themselves_are_accepted(overrides: dict[str, Any]) -> None:
     create(**overrides)
 
 
-def test_zero_shard_size_defaults_to_four_batches() -> None:
-    assert create(shard_size=0).shard_size == 40
+def test_zero_shard_size_defaults_to_sixteen_batches() -> None:
+    assert create(shard_size=0).shard_size == 160
 
 
 def test_default_shard_size_is_capped_at_the_dataset_size() -> None:
@@ -116,7 +116,7 @@ def test_the_last_shard_ends_at_the_epoch_length() -> None:
 
 def test_digest_is_stable_for_equal_specs() -> None:
     assert create().digest() == create().digest()
-    assert create(shard_size=0).digest() == create(shard_size=40).digest()
+    assert create(shard_size=0).digest() == create(shard_size=160).digest()
     assert len(create().digest()) == 16
 
 

@@ -19,7 +19,10 @@ MAX_SHARDS_PER_EPOCH = 10_000_000
 MAX_EPOCHS = 1_000_000
 MAX_SHARD_FAILURES = 1_000
 MAX_NAME_LENGTH = 200
-DEFAULT_BATCHES_PER_SHARD = 4
+# A lease per 16 global batches: each lease costs the training processes about
+# a millisecond (bench/loader.py), too much every 4 batches of small steps; a
+# failure replays at most the unacked part of one shard without a checkpoint.
+DEFAULT_BATCHES_PER_SHARD = 16
 DEFAULT_MAX_SHARD_FAILURES = 3
 
 

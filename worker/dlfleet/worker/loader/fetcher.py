@@ -104,9 +104,14 @@ class LeaseFetcher:
         return item
 
     def poke(self) -> None:
-        """The ledger changed: a held lease may now be ready to ack."""
+        """The ledger changed: a held lease may now be ready to ack. Only a
+        thread waiting out the end of an epoch waits on the ledger (acks
+        otherwise ride on the next request), so only that one is woken: a
+        wake-up costs the training thread a GIL hand-off. No wake-up is lost:
+        the thread reads the ledger after it sets `_after_epoch`."""
         with self._cond:
-            self._cond.notify_all()
+            if self._after_epoch:
+                self._cond.notify_all()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         with self._cond:

@@ -40,14 +40,18 @@ class LeaseLedger:
         with self._lock:
             self._leases.setdefault(lease_id, HeldLease(lease_id, length))
 
-    def consume(self, batch: GlobalBatch) -> None:
-        """A step that trained `batch` completed."""
+    def consume(self, batch: GlobalBatch) -> bool:
+        """A step that trained `batch` completed. True if that completed a
+        lease (made it ready to ack)."""
+        completed = False
         with self._lock:
             for lease_id, count in batch.lease_counts():
                 lease = self._leases.get(lease_id)
-                if lease is not None:
+                if lease is not None and not lease.complete:
                     lease.consumed = min(lease.length, lease.consumed + count)
+                    completed = completed or lease.complete
             self._lock.notify_all()
+        return completed
 
     def take_ready(self) -> list[int]:
         """The fully consumed leases whose ack is not on the wire yet; they are

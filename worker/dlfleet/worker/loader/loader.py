@@ -46,7 +46,9 @@ from dlfleet.api.client import MasterClient
 from dlfleet.api.errors import InvalidArgument, NotFound
 from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
+from dlfleet.worker import progress
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
+from dlfleet.worker.loader.indexing import PositionIndexer
 from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
 from dlfleet.worker.loader.streams import EpochStream, LeasedStream, LocalStream
 
@@ -98,7 +100,7 @@ class ShardedDataLoader:
         self._client: MasterClient | None = None
         self._registered = False
         self._pending_restore: shards_pb2.DatasetSnapshot | None = None
-        self._permutation: tuple[int, EpochPermutation] | None = None
+        self._permutation: tuple[int, PositionIndexer] | None = None
         self.stream: EpochStream
         if self.mode is LoaderMode.LOCAL:
             self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
@@ -126,16 +128,20 @@ class ShardedDataLoader:
         if stream.dataset_ended:
             return
         inner = iter(self._loader)
-        while True:
-            # Asking for the next batch means the step of the last one is done.
-            stream.complete_received()
-            try:
-                batch = next(inner)
-            except StopIteration:
-                break
-            stream.received()
-            yield batch
-        stream.end_iteration()
+        try:
+            while True:
+                # Asking for the next batch means the step of the last one is done.
+                stream.complete_received()
+                try:
+                    batch = next(inner)
+                except StopIteration:
+                    break
+                stream.received()
+                progress.step()  # for the agent's hang watchdog (--step-timeout)
+                yield batch
+            stream.end_iteration()
+        finally:
+            progress.idle()  # between epochs, or after a break: not a hang
 
     def __len__(self) -> int:
         """Batches per rank in a full epoch (a resumed epoch yields fewer)."""
@@ -204,14 +210,17 @@ class ShardedDataLoader:
     # ----------------------------------------------------------- internals
 
     def indices(self, positions: Sequence[int], epoch: int) -> list[int]:
-        if self._permutation is None or self._permutation[0] != epoch:
-            perm = EpochPermutation(self.size, self.seed, epoch, self.shuffle)
-            self._permutation = (epoch, perm)
-        perm = self._permutation[1]
-        return [perm[p] for p in positions]
+        return self._indexer(epoch).indices(positions)
 
     def rank_slice(self, batch: GlobalBatch) -> list[int]:
-        return self.indices(batch.rank_positions(self._rank, self._world), batch.epoch)
+        runs = batch.rank_ranges(self._rank, self._world)
+        return self._indexer(batch.epoch).ranges(runs)
+
+    def _indexer(self, epoch: int) -> PositionIndexer:
+        if self._permutation is None or self._permutation[0] != epoch:
+            perm = EpochPermutation(self.size, self.seed, epoch, self.shuffle)
+            self._permutation = (epoch, PositionIndexer(perm))
+        return self._permutation[1]
 
     def _start(self) -> EpochStream:
         if self.mode is LoaderMode.LOCAL:

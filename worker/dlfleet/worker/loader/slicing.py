@@ -58,13 +58,20 @@ class GlobalBatch:
 
     def rank_positions(self, rank: int, world_size: int) -> list[int]:
         """This rank's slice: [rank * n // W, (rank + 1) * n // W)."""
-        lo, hi = rank_bounds(self.size, rank, world_size)
         out: list[int] = []
+        for start, end in self.rank_ranges(rank, world_size):
+            out.extend(range(start, end))
+        return out
+
+    def rank_ranges(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        """This rank's slice as runs [start, end) of positions, in order."""
+        lo, hi = rank_bounds(self.size, rank, world_size)
+        out: list[tuple[int, int]] = []
         offset = 0
         for segment in self.segments:
             a, b = max(lo - offset, 0), min(hi - offset, segment.length)
             if a < b:
-                out.extend(range(segment.start + a, segment.start + b))
+                out.append((segment.start + a, segment.start + b))
             offset += segment.length
             if offset >= hi:
                 break

@@ -161,8 +161,9 @@ class LeasedStream(EpochStream):
             self.dataset_ended = self.epoch_ended = True
 
     def _complete(self, batch: GlobalBatch) -> None:
-        self.ledger.consume(batch)
-        if self.fetcher is not None:
+        # The fetcher waits on the ledger only for a lease to become ready to
+        # ack; waking it on every batch would cost a thread switch per step.
+        if self.ledger.consume(batch) and self.fetcher is not None:
             self.fetcher.poke()
 
     def end_iteration(self) -> None:
