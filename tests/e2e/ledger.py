@@ -67,6 +67,7 @@ class Entry:
     step: int
     ids: tuple[int, ...]
     source: str = ""  # file:line, for reports
+    t: float | None = field(default=None, compare=False)  # wall-clock time of the line
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "") -> Entry:
@@ -78,6 +79,7 @@ class Entry:
             step=int(data["step"]),
             ids=tuple(int(i) for i in data["ids"]),
             source=source,
+            t=float(data["t"]) if "t" in data else None,
         )
 
 
@@ -87,10 +89,15 @@ class Restore:
 
     attempt: int
     restored_step: int
+    t: float | None = field(default=None, compare=False)  # wall-clock time of the restore
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Restore:
-        return cls(attempt=int(data["attempt"]), restored_step=int(data["restored_step"]))
+        return cls(
+            attempt=int(data["attempt"]),
+            restored_step=int(data["restored_step"]),
+            t=float(data["t"]) if "t" in data else None,
+        )
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ store. Every `POLL_S` it looks at the nodes that exited and decides:
 - exit 1: its training failed beyond `max_restarts`: the job fails, and the
   reason names the node, the rank and the worker's traceback (the agent's
   failure report);
-- killed by a signal, or exit 3 (the node lost the job: master unreachable,
-  dropped for silence, rendezvous timed out): the node is lost. It is replaced
+- killed by a signal, exit 3 (the node lost the job: master unreachable,
+  dropped for silence, rendezvous timed out) or exit 143 (preempted: SIGTERM
+  from outside, unless the runner itself asked it to leave): the node is lost. It is replaced
   after `relaunch_delay_s` while the job's `max_node_relaunches` last and the
   job wants it (target nodes); with none left, the job goes on with the nodes
   it has while they are at least `nodes.min`, and fails otherwise. A node lost
@@ -67,6 +68,7 @@ POLL_S = 0.2
 RATE_WINDOW_S = 15.0
 EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
 EXIT_NODE_LOST = 3
+EXIT_PREEMPTED = 143
 FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
 MASTER_START_S = 60.0
@@ -304,7 +306,7 @@ class JobRunner:
             node.state = NodeState.FAILED
             self._finish(1, self._root_cause(node, how))
             return
-        if code < 0 or code == EXIT_NODE_LOST:
+        if code < 0 or code in (EXIT_NODE_LOST, EXIT_PREEMPTED):
             node.state = NodeState.LOST
             wanted = len(self.platform.active) < self.target
             if wanted and self.relaunches_left > 0:

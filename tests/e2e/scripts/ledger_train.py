@@ -12,7 +12,11 @@ records. Each process appends to its own ledger file,
 write() and fsynced before the step goes on:
 
     {"attempt": A, "round": R, "restart": C, "rank": r, "world": W,
-     "epoch": e, "step": s, "ids": [...]}
+     "epoch": e, "step": s, "ids": [...], "t": T}
+
+`t` is the wall-clock time (time.time()) at which the line was logged; the
+next line of the same process minus this one is the step's duration (the
+chaos bench, bench/chaos.py, measures stalls and goodput with it).
 
 `round` is DLFLEET_ROUND (0 under plain torchrun), `restart` is
 TORCHELASTIC_RESTART_COUNT, and `attempt` orders the attempts of the job: the
@@ -22,7 +26,7 @@ restart count under plain torchrun. `step` is the global step, the same on
 every rank (sync mode) and continued from the checkpoint after a restore.
 
 With checkpoints, rank 0 starts every attempt by appending
-`{"attempt": A, "round": R, "restart": C, "restored_step": S}` to
+`{"attempt": A, "round": R, "restart": C, "restored_step": S, "t": T}` to
 `DIR/restores.jsonl`, where S is the step of the checkpoint it restored (0 when
 there is none: then it writes a checkpoint of the initial state, so that a
 failure before the first periodic checkpoint rolls the data back too).
@@ -62,6 +66,10 @@ restarted worker does not do it again):
   batch (`--crash-point trained`).
 - `--sleep-per-step S`: a pause after each step, so a test can kill a node or
   an agent mid-epoch.
+
+`--report-progress`: call `dlfleet.worker.progress.step()` after every step
+and `idle()` when an epoch's iteration ends, for the agent's step watchdog
+(`dlworker --step-timeout`); the chaos bench uses it to hang a worker.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader
+from dlfleet.worker import progress
 
 FEATURES = 4
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -122,6 +131,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--crash-point", choices=("logged", "trained"), default="logged")
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
+    parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
     parser.add_argument("--dataset-name", default="ledger-records")
     args = parser.parse_args()
     if args.checkpoint_dir is None:
@@ -215,7 +225,7 @@ class LedgerTrainer:
             self.loader.load_state_dict(state["loader"])  # before the first iteration
             self.step = int(state["step"])
         if self.rank == 0:
-            restore = {**self.identity(), "restored_step": self.step}
+            restore = {**self.identity(), "restored_step": self.step, "t": time.time()}
             append_line(self.args.ledger_dir / RESTORE_LOG, restore)
         if state is None:
             self.checkpoint()  # the initial state: see the module docstring
@@ -246,6 +256,7 @@ class LedgerTrainer:
                 "epoch": self.loader.epoch,
                 "step": self.step,
                 "ids": [int(i) for i in ids],
+                "t": time.time(),
             }
             append_line(self.ledger, line)  # before the step's all-reduce: see above
             crash_here = self.step == args.crash_at_step and self.rank == args.crash_rank
@@ -260,8 +271,12 @@ class LedgerTrainer:
                 self.checkpoint()
             if crash_here and args.crash_point == "trained":
                 crash_once(args.ledger_dir, self.step)
+            if args.report_progress:
+                progress.step()
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
+        if args.report_progress:
+            progress.idle()  # between epochs and at the end: not a hang
         return batches
 
 

@@ -156,6 +156,17 @@ def test_a_node_lost_three_times_is_marked_faulty_and_replaced(make_job: Any) ->
     assert "node-1 was lost 3 times (last: killed by SIGKILL): marked faulty, replaced" in out
 
 
+def test_a_preempted_node_is_replaced_not_counted_as_done(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 2}, max_node_relaunches=2).start()
+    job.wait_for(lambda: len(job.seen()) == 2, "2 workers")
+    os.kill(job.node_pid("node-1"), signal.SIGTERM)  # a spot reclaim, say
+    job.wait_for(lambda: any("node-1#2" in s["file"] for s in job.seen()), "node-1 replaced")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    assert "node-1 was lost (exit code 143): relaunching it" in out
+
+
 def test_a_lost_node_with_no_relaunch_left_below_min_fails_the_job(make_job: Any) -> None:
     job = make_job(nodes={"min": 2, "max": 2}, max_node_relaunches=0).start()
     job.wait_for(lambda: len(job.seen()) == 2, "2 workers")

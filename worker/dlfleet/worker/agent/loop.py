@@ -11,11 +11,13 @@ One state object per phase, advanced by `step()` (Ray Train's controller):
                                                           exit 1)
                        -> Failed(None)                    (this node lost the
                                                           job: exit 3)
-                       -> Preempted                       (SIGTERM: exit 0)
+                       -> Preempted                       (SIGTERM: exit 143)
 
 Exit 1 means the training itself failed; exit 3 means the node could not take
 part (master unreachable, dropped for missed heartbeats, rendezvous timed out),
-so a platform may replace it.
+so a platform may replace it; exit 143 (128 + SIGTERM, as for any terminated
+process) means it left when told to: preempted, or scaled down. Only exit 0
+says the work is done.
 
 What makes restarts never hang: the master pushes "re-rendezvous" on the
 agent's session the moment a peer dies or a node waits, and the agent then
@@ -87,6 +89,7 @@ class Rejoining:
 
 EXIT_WORKERS_FAILED = 1
 EXIT_NODE_LOST = 3
+EXIT_PREEMPTED = 128 + 15  # SIGTERM
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class Agent:
 
     def run(self) -> int:
         """Run until the workers succeed (0), fail for good (1), the node is
-        lost to the job (3), or the agent is preempted (0)."""
+        lost to the job (3), or the agent is preempted (143)."""
         try:
             registered = self.client.register_node(
                 job_name=self.config.job_name,
@@ -167,6 +170,8 @@ class Agent:
         if isinstance(phase, Failed):
             _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
             return EXIT_WORKERS_FAILED if phase.failure is not None else EXIT_NODE_LOST
+        if isinstance(phase, Preempted):
+            return EXIT_PREEMPTED
         return 0
 
     def step(self, phase: Phase) -> Phase:

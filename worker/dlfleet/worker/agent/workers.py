@@ -437,6 +437,9 @@ class WorkerGroup:
             return self._final
         before = self.poll() if self._started else GroupState(GroupStatus.STOPPED, ())
         self._signal_all(signal.SIGTERM)
+        # A stopped (SIGSTOP, a debugger) worker would only see SIGTERM once
+        # continued: continue it, or a hang costs the whole grace period.
+        self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + max(0.0, timeout_s)
         while self._any_alive() and time.monotonic() < deadline:
             time.sleep(_STOP_POLL_S)

@@ -1,0 +1,80 @@
+"""Chaos, end to end and short: the chaos bench (bench/chaos.py) runs the
+quickstart-shaped ledger job under `dlmaster --job-config` for about a minute
+of training and injects one fault of each kind, in a seeded order, each once
+the job has recovered from the previous one: a training process SIGKILLed, a
+node's agent SIGKILLed (the node is relaunched), a node preempted (SIGTERM;
+it leaves and a fresh node is scaled in), the master SIGKILLed (the
+supervisor restarts it), a training process SIGSTOPped (the step watchdog
+restarts the workers). The job must succeed, every fault must be detected
+and recovered from, the ledger must hold each epoch's records exactly once
+in the final lineage, and nothing of the job may outlive it.
+
+About 1.5-2 minutes on a 2-core machine; the 10-minute run with a fault every
+30-60 s is the bench itself (`bench/chaos.py`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import chaos  # noqa: E402
+from _chaos_timeline import StepLine, account, intervals, stalled_between  # noqa: E402
+
+
+def test_the_time_accounting_of_a_ledger() -> None:
+    """Two ranks step every 0.1 s from t=0 (attempt 1, steps 1-10), stall
+    (no step) until t=3, then attempt 2 restores step 8 and steps 9-18; attempt
+    1's steps 9 and 10 were rolled back."""
+    lines = []
+    for rank in (0, 1):
+        lines += [StepLine(1, rank, 2, s, (s - 1) * 0.1, counted=s <= 8) for s in range(1, 11)]
+        lines += [StepLine(2, rank, 2, s, 3.0 + (s - 9) * 0.1) for s in range(9, 19)]
+    a = account(lines)
+    assert a.typical_step == pytest.approx(0.1)
+    assert a.start == 0.0 and a.end == pytest.approx(4.0)  # last step at 3.9, one step long
+    assert a.busy == pytest.approx(2.0)  # 20 steps of 0.1 s, ranks overlapping
+    assert a.useful == pytest.approx(1.8)  # steps 9 and 10 of attempt 1 were lost
+    assert a.stalled == pytest.approx(2.0) and a.lost_work == pytest.approx(0.2)
+    assert a.goodput == pytest.approx(1.8 / 4.0)
+    assert stalled_between(intervals(lines), 0.5, 3.5) == pytest.approx(2.0)
+
+
+def test_a_step_far_longer_than_usual_counts_as_a_stall() -> None:
+    lines = [StepLine(1, 0, 1, s, t) for s, t in enumerate([0.0, 0.1, 0.2, 0.3, 5.3, 5.4], 1)]
+    a = account(lines)
+    assert a.useful == pytest.approx(0.6) and a.stalled == pytest.approx(4.9)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_one_fault_of_each_kind_is_survived_and_every_record_trained_once(
+    tmp_path: Path,
+) -> None:
+    settings = chaos.Settings(
+        minutes=1.0,
+        seed=1,
+        fault_every=(3.0, 6.0),  # in practice: as soon as the job is steady again
+        faults=len(chaos.KINDS),
+        settle_s=3.0,
+        recover_timeout_s=120.0,
+        job_timeout_s=480.0,
+        workdir=tmp_path / "chaos",
+    )
+    result = chaos.run(settings)
+    chaos.report(result)  # shown when the test fails
+    assert sorted(f.kind for f in result.faults) == sorted(chaos.KINDS)
+    assert result.code == 0, f"the job failed: {result.reason}"
+    assert result.ledger_ok, result.ledger_summary
+    for fault in result.faults:
+        assert fault.ok, f"{fault.kind} was not survived: {fault.as_dict()}"
+        assert fault.detect_s is not None and fault.full_s is not None
+        assert fault.detect_s <= fault.full_s
+    assert not result.problems, result.problems
+    assert result.discarded >= 0 and result.counted > 0
+    assert 0.0 < result.goodput <= 1.0
