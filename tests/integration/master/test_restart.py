@@ -120,7 +120,9 @@ def test_a_hung_master_ends_in_a_clear_error_within_the_deadline_and_recovers(
     assert master.proc is not None
     policy = RetryPolicy(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.1, total_budget_s=5)
     with MasterClient(master.address, token="test-token", timeout_s=0.5, retry=policy) as client:
-        client.register_dataset(shards_pb2.DatasetSpec(name="d", size=100, batch_size=10, epochs=1))
+        client.register_dataset(
+            shards_pb2.DatasetSpec(name="d", size=100, batch_size=10, shard_size=20, epochs=1)
+        )
         with client.lease_session() as session:
             first = session.lease("d", node_id="n", rank=0).shard
             os.kill(master.proc.pid, signal.SIGSTOP)  # hung, not dead: no connection error
