@@ -150,3 +150,24 @@ class ServerProcess:
         kill_group(self.proc)
         self._pump.join(timeout=5)
         self._log.close()
+
+
+def tagged_pids(tag_env: str, tag: str) -> list[int]:
+    """Live, non-zombie processes (of this user) whose environment carries
+    `tag_env=tag`: what a bench started, however deep, to clean up after it."""
+    marker = f"{tag_env}={tag}".encode()
+    found: list[int] = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and marker in environ.split(b"\0"):
+            found.append(int(entry))
+    return found

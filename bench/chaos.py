@@ -141,7 +141,7 @@ for _extra in (ROOT / "bench", ROOT / "tests"):
         sys.path.insert(0, str(_extra))
 
 from _chaos_timeline import Accounting, StepLine, account, intervals, stalled_between  # noqa: E402
-from _common import say  # noqa: E402
+from _common import say, tagged_pids  # noqa: E402
 from e2e.ledger import check, final_lineage, read_ledger  # noqa: E402
 
 from dlfleet.api.client import MasterClient, RetryPolicy  # noqa: E402
@@ -323,22 +323,6 @@ def process_state(pid: int) -> str | None:
 
 def workers_of(agent_pid: int) -> list[int]:
     return sorted(c for c in children(agent_pid) if str(SCRIPT) in cmdline(c))
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes whose environment carries `TAG_ENV=tag`."""
-    marker = f"{TAG_ENV}={tag}".encode()
-    found: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0") and process_state(int(entry)) not in (None, "Z"):
-            found.append(int(entry))
-    return found
 
 
 # --------------------------------------------------------------------------- observing
@@ -808,7 +792,7 @@ class ChaosRun:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(STOP_GRACE_S)
-        for pid in tagged_pids(self.tag):
+        for pid in tagged_pids(TAG_ENV, self.tag):
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
@@ -829,11 +813,11 @@ class ChaosRun:
             self.stop()
         else:
             # The supervisor's children get SIGKILL as it exits (parent-death signal).
-            left = tagged_pids(self.tag)
+            left = tagged_pids(TAG_ENV, self.tag)
             deadline = time.monotonic() + LEFTOVER_S
             while left and time.monotonic() < deadline:
                 time.sleep(0.2)
-                left = tagged_pids(self.tag)
+                left = tagged_pids(TAG_ENV, self.tag)
             if left:
                 described = ", ".join(f"{p} ({cmdline(p)[:60]})" for p in left)
                 self.problems.append(f"processes outlived the job: {described}")

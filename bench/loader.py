@@ -95,7 +95,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from _common import BenchError, ServerProcess, free_port, kill_group, say
+from _common import BenchError, ServerProcess, free_port, kill_group, say, tagged_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -108,26 +108,6 @@ CLEANUP_S = 15.0
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live, non-zombie processes (of this user) whose environment carries `TAG_ENV=tag`."""
-    marker = f"{TAG_ENV}={tag}".encode()
-    found: list[int] = []
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != b"Z" and marker in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
 
 
 def tail(path: Path, lines: int = 12) -> str:
@@ -352,13 +332,13 @@ class TrialRun:
         if self.master is not None:
             self.master.stop()
         deadline = time.monotonic() + CLEANUP_S
-        left = tagged_pids(self.tag)
+        left = tagged_pids(TAG_ENV, self.tag)
         while left and time.monotonic() < deadline:
             for pid in left:
                 with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
-            left = tagged_pids(self.tag)
+            left = tagged_pids(TAG_ENV, self.tag)
         for log in self._logs:
             log.close()
         if left:

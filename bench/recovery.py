@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from _common import free_port, say
+from _common import free_port, say, tagged_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -97,24 +97,6 @@ TELLING = re.compile(
     r"RendezvousError|RendezvousClosedError|RendezvousTimeoutError|"
     r"Error|error|FAILED|failed|exiting with"
 )
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes (of this user) whose environment carries `TAG_ENV=tag`."""
-    marker = f"{TAG_ENV}={tag}".encode()
-    found: list[int] = []
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
 
 
 def parent_pid(pid: int) -> int | None:
@@ -519,28 +501,20 @@ class TrialRun:
                 if proc.poll() is None:
                     with suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
-            left = tagged_pids(self.tag)
+            left = tagged_pids(TAG_ENV, self.tag)
             for pid in left:
                 with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             for proc in self.procs.values():
                 with suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.1)
-            left = [pid for pid in tagged_pids(self.tag) if not is_zombie(pid)]
+            left = tagged_pids(TAG_ENV, self.tag)
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         for log in self._logs:
             log.close()
         return left
-
-
-def is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 class TrialError(RuntimeError):

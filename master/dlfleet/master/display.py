@@ -10,6 +10,7 @@ so writes are serialised by a lock.
 
 from __future__ import annotations
 
+import abc
 import logging
 import shutil
 import sys
@@ -60,25 +61,27 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
     return lines
 
 
-class Display:
+class Display(abc.ABC):
     """Where output lines and status updates go."""
 
-    def line(self, source: str, text: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def line(self, source: str, text: str) -> None: ...
 
-    def update(self, status: job_pb2.JobStatus) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update(self, status: job_pb2.JobStatus) -> None: ...
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional: most displays hold nothing
+        """Flush what is left."""
 
 
 class NoDisplay(Display):
+    """`display: off`: the job runs silently (its nodes still log to files)."""
+
     def line(self, source: str, text: str) -> None:
-        pass
+        return None
 
     def update(self, status: job_pb2.JobStatus) -> None:
-        pass
+        return None
 
 
 class PlainDisplay(Display):

@@ -133,10 +133,6 @@ class LocalPlatform:
         node.state = NodeState.STOPPING
         self._signal(node, signal.SIGTERM)
 
-    def kill_node(self, node: LocalNode) -> None:
-        """SIGKILL a node's agent (its workers die with it)."""
-        self._signal(node, signal.SIGKILL)
-
     @property
     def active(self) -> list[LocalNode]:
         return [node for node in self.nodes if node.active]
