@@ -52,15 +52,17 @@ from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.master.display import Display
 from dlfleet.master.jobconfig import JobConfig
-from dlfleet.master.platform.local import (
-    LocalMaster,
-    LocalNode,
-    LocalPlatform,
+from dlfleet.master.platform import (
+    REASON_OOM,
+    Node,
     NodeState,
+    Platform,
     describe_exit,
 )
+from dlfleet.master.platform.local import LocalPlatform
 from dlfleet.master.rpc import rpc
 from dlfleet.master.server import TokenInterceptor, load_tls_pair
+from dlfleet.master.supervised import SupervisedMaster
 
 _log = logging.getLogger(__name__)
 
@@ -68,9 +70,9 @@ POLL_S = 0.2
 RATE_WINDOW_S = 15.0
 EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
 EXIT_NODE_LOST = 3
-EXIT_PREEMPTED = 143
 FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
+STOP_GRACE_S = 15.0
 MASTER_START_S = 60.0
 MAX_MASTER_RESTARTS = 10
 _NO_RETRY = RetryPolicy(attempts=1, max_backoff_s=0.1, total_budget_s=2.0)
@@ -137,12 +139,12 @@ class JobRunner:
         self.reason = ""
         self.result: JobResult | None = None
         self.progress = Progress()
-        self.master: LocalMaster | None = None
+        self.master: SupervisedMaster | None = None
         self.client: MasterClient | None = None
         self.view = job_pb2.MasterStatus()  # the master's last answer
         self.master_up = False
         self.control: grpc.aio.Server | None = None
-        self.platform: LocalPlatform | None = None
+        self.platform: Platform[Any] | None = None
         self._interrupted = asyncio.Event()
 
     # ------------------------------------------------------------------ run
@@ -153,13 +155,15 @@ class JobRunner:
         config.work_dir.mkdir(parents=True, exist_ok=True)
         token = job_token(config)
         port = config.master.port or _free_port(config.master.host)
-        self.master = LocalMaster(config, port=port, token=token, on_line=self.display.line)
+        self.master = SupervisedMaster(config, port=port, token=token, on_line=self.display.line)
         tls_ca = config.tls_ca_file.read_bytes() if config.tls_ca_file else None
         self.client = MasterClient(
             self.master.address, token=token, timeout_s=2.0, retry=_NO_RETRY, tls_ca=tls_ca
         )
         try:
-            self.master.start(forget_nodes=True)
+            # Local nodes died with the last runner: the nodes in the store are
+            # all dead. Pods outlive it, and the new runner adopts them.
+            self.master.start(forget_nodes=self.config.platform == "local")
             if not await asyncio.to_thread(self.master.wait_listening, MASTER_START_S):
                 raise DlfleetError(
                     f"the master did not start within {MASTER_START_S:g}s "
@@ -169,43 +173,68 @@ class JobRunner:
             self._write_master_file(control)
             _log.info("job %s: master on %s, control on %s, workdir %s", config.name,
                       self.master.address, control, config.work_dir)  # fmt: skip
-            self.platform = LocalPlatform(
-                config, master=self.master.address, token=token, on_line=self.display.line
-            )
+            self.platform = self._make_platform(token)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._interrupted.set)
             self.platform.start(self.target)
-            while self.result is None:
-                await self._refresh()
-                self._watch_master()
-                self._step()
-                self.display.update(self.status())
-                if self.result is not None:
-                    break
-                try:
-                    await asyncio.wait_for(self._interrupted.wait(), POLL_S)
-                    self._finish(130, "interrupted: stopping the job's nodes")
-                except asyncio.TimeoutError:
-                    pass
-            assert self.result is not None
-            self.phase = "succeeded" if self.result.code == 0 else "failed"
-            self.reason = self.result.reason
-            await asyncio.to_thread(self.platform.shutdown)
-            await self._refresh()
-            self.display.update(self.status())
-            if self.result.code != 130:
-                result = {"code": self.result.code, "reason": self.result.reason}
-                (config.work_dir / RESULT_FILE).write_text(json.dumps(result))
-            return self.result
+            await self._supervise()
+            return await self._conclude()
         finally:
-            if self.platform is not None:
-                self.platform.shutdown(grace_s=1.0)
+            await self._teardown()
+
+    async def _supervise(self) -> None:
+        """Watch the master and the nodes until the job ends."""
+        while self.result is None:
+            await self._refresh()
+            self._watch_master()
+            self._step()
+            self.display.update(self.status())
+            if self.result is not None:
+                break
+            try:
+                await asyncio.wait_for(self._interrupted.wait(), POLL_S)
+                self._finish(130, "interrupted: stopping the job's nodes")
+            except asyncio.TimeoutError:
+                pass
+
+    async def _conclude(self) -> JobResult:
+        assert self.result is not None and self.platform is not None
+        self.phase = "succeeded" if self.result.code == 0 else "failed"
+        self.reason = self.result.reason
+        if self.result.code != 130 or not self.platform.outlives_runner:
+            await asyncio.to_thread(self.platform.shutdown, STOP_GRACE_S)
+        await self._refresh()
+        self.display.update(self.status())
+        if self.result.code != 130:
+            result = {"code": self.result.code, "reason": self.result.reason}
+            (self.config.work_dir / RESULT_FILE).write_text(json.dumps(result))
+        return self.result
+
+    async def _teardown(self) -> None:
+        """Stop what the run started. Nodes that outlive the runner (Pods)
+        stay when it was interrupted: its successor adopts them."""
+        interrupted = self.result is None or self.result.code == 130
+        if self.platform is not None and not (interrupted and self.platform.outlives_runner):
+            self.platform.shutdown(grace_s=1.0)
+        if self.master is not None:
             await asyncio.to_thread(self.master.stop)
+        if self.client is not None:
             self.client.close()
-            if self.control is not None:
-                await self.control.stop(0)
-            (config.work_dir / MASTER_FILE).unlink(missing_ok=True)
+        if self.control is not None:
+            await self.control.stop(0)
+        (self.config.work_dir / MASTER_FILE).unlink(missing_ok=True)
+
+    def _make_platform(self, token: str) -> Platform[Any]:
+        assert self.master is not None
+        config = self.config
+        if config.platform == "kubernetes":
+            from dlfleet.master.platform.kubernetes import KubernetesPlatform
+
+            return KubernetesPlatform(config, master_port=self.master.port, token=token)
+        return LocalPlatform(
+            config, master=self.master.address, token=token, on_line=self.display.line
+        )
 
     async def _refresh(self) -> None:
         """Ask the master how the job stands; while it is down, the last
@@ -281,9 +310,13 @@ class JobRunner:
     def _step(self) -> None:
         assert self.platform is not None
         for exited in self.platform.poll():
-            self._on_exit(exited.node, exited.exit_code)
+            self._on_exit(exited.node, exited.exit_code, exited.reason)
             if self.result is not None:
                 return
+        problem = self.platform.problem()
+        if problem is not None:
+            self._finish(1, problem)
+            return
         active = self.platform.active
         if not active:
             if any(n.state is NodeState.SUCCEEDED for n in self.platform.nodes):
@@ -291,22 +324,24 @@ class JobRunner:
             else:
                 self._finish(1, "no node is left and none finished its work")
 
-    def _on_exit(self, node: LocalNode, code: int) -> None:
+    def _on_exit(self, node: Node, code: int, reason: str = "") -> None:
         assert self.platform is not None
-        how = describe_exit(code)
+        how = describe_exit(code, reason)
         if node.state is NodeState.STOPPING:
             node.state = NodeState.STOPPED
             _log.info("%s left as asked (%s)", node.name, how)
             return
-        if code == 0:
+        if code == 0 and not reason:
             node.state = NodeState.SUCCEEDED
             _log.info("%s finished", node.name)
             return
-        if code == EXIT_WORKERS_FAILED:
+        if code == EXIT_WORKERS_FAILED and not reason:
             node.state = NodeState.FAILED
             self._finish(1, self._root_cause(node, how))
             return
-        if code < 0 or code in (EXIT_NODE_LOST, EXIT_PREEMPTED):
+        if reason or code < 0 or code > 128 or code == EXIT_NODE_LOST:
+            # Killed, lost the job, preempted (143), out of memory, evicted,
+            # or its Pod deleted: the node is gone, not its training broken.
             node.state = NodeState.LOST
             wanted = len(self.platform.active) < self.target
             if wanted and self.relaunches_left > 0:
@@ -326,7 +361,8 @@ class JobRunner:
                     "%s was lost (%s): relaunching it in %.1fs (%d relaunches left)",
                     node.name, how, self.config.relaunch_delay_s, self.relaunches_left,
                 )  # fmt: skip
-                self.platform.relaunch(node, self.config.relaunch_delay_s)
+                memory = self._memory_after(node) if reason == REASON_OOM else None
+                self.platform.relaunch(node, self.config.relaunch_delay_s, memory_bytes=memory)
                 return
             active = len(self.platform.active)
             if active >= self.config.nodes.min:
@@ -340,25 +376,38 @@ class JobRunner:
             )
             return
         node.state = NodeState.FAILED
-        log = self.platform.log_dir / f"{node.name}.log"
-        self._finish(1, f"{node.name}: dlworker ended with {how}; see {log}")
+        self._finish(1, f"{node.name}: dlworker ended with {how}; {self.platform.log_hint(node)}")
 
-    def _root_cause(self, node: LocalNode, how: str) -> str:
+    def _memory_after(self, node: Node) -> int | None:
+        """The memory limit for a node relaunched after running out of it:
+        the current limit times the job's factor, capped. None where the
+        platform sets no limit."""
+        if node.memory_bytes is None or self.config.kubernetes is None:
+            return None
+        policy = self.config.kubernetes.oom
+        grown = min(int(node.memory_bytes * policy.memory_factor), policy.memory_cap_bytes)
+        _log.warning(
+            "%s ran out of memory at %d MiB: relaunching it with %d MiB",
+            node.name, node.memory_bytes >> 20, grown >> 20,
+        )  # fmt: skip
+        return max(grown, node.memory_bytes)
+
+    def _root_cause(self, node: Node, how: str) -> str:
         """The last failure its agent reported: rank, exit, traceback."""
         assert self.platform is not None
         assert self.client is not None
         with contextlib.suppress(DlfleetError):  # its report came before its exit
             self.view = self.client.master_status()
         report = self._last_failure(node.name)
-        log = self.platform.log_dir / f"{node.name}.log"
+        hint = self.platform.log_hint(node)
         if report is None:
-            return f"{node.name}: its workers failed ({how}); see {log}"
+            return f"{node.name}: its workers failed ({how}); {hint}"
         what = report.signal or f"exit code {report.exit_code}"
         return (
             f"{node.name}: rank {report.global_rank} (local rank {report.local_rank}) failed "
             f"with {what} in round {report.round}, after {report.restart_count} restarts "
             f"(max_restarts={self.config.max_restarts}):\n{report.message.rstrip()}\n"
-            f"(node log: {log})"
+            f"({hint})"
         )
 
     def _last_failure(self, node_name: str | None = None) -> rendezvous_pb2.FailureReport | None:

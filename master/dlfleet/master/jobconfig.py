@@ -1,7 +1,8 @@
 """job.yaml: everything `dlmaster --job-config` needs to run a job.
 
     name: quickstart            # job name; nodes of other jobs are refused
-    platform: local             # local (default): dlworker processes on this machine
+    platform: local             # local (default): dlworker processes on this machine;
+                                # kubernetes: one Pod per node (see `kubernetes:`)
     nodes: {min: 1, max: 2}     # elastic range; `initial` (default max) start
     nproc_per_node: 1           # training processes per node
     command: train.py           # a script, relative to this file's directory
@@ -23,6 +24,31 @@
     tls: {cert_file: master.crt, key_file: master.key}  # serve TLS only; nodes
                                 # verify with ca_file (default: cert_file)
     display: auto               # auto | live | plain | off
+    kubernetes:                 # platform: kubernetes only
+      image: registry.example.com/train:1.0   # the training image (has dlworker)
+      namespace: null           # default: the master Pod's own, else "default"
+      kubeconfig: null          # default: in-cluster, else ~/.kube/config
+      worker_command: [dlworker]
+      working_dir: null         # the container's working directory
+      resources: {requests: {cpu: "4", memory: 8Gi}, limits: {memory: 8Gi}}
+      env: [{name: NCCL_DEBUG, value: WARN}]   # Kubernetes EnvVar objects
+      volumes: []               # Kubernetes Volume objects
+      volume_mounts: []         # Kubernetes VolumeMount objects
+      node_selector: {}
+      tolerations: []
+      priority_class: null
+      service_account: null
+      labels: {}
+      annotations: {}
+      image_pull_secrets: []
+      master_service: null      # headless Service for the master; default <name>-master
+      master_address: null      # what the Pods dial; default <service>.<namespace>.svc:<port>
+      token_secret: null        # {name, key}: a Secret holding the token; default: the
+                                # master creates <name>-dlfleet from the job's token
+      pending_timeout_s: 600    # a Pod that cannot be scheduled this long, with fewer
+                                # than nodes.min running, fails the job
+      oom: {memory_factor: 1.5, memory_cap: 64Gi}  # a node OOMKilled is relaunched
+                                # with its memory limit times the factor, capped
 
 Unknown keys are errors (a typo must not silently mean "default"). Relative
 paths are relative to the directory of the job.yaml. Every error names the
@@ -101,9 +127,107 @@ class TlsConfig(_Strict):
     ca_file: Path | None = None
 
 
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E|m)?$")
+_SUFFIX = {
+    None: 1, "m": 1e-3, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def parse_quantity(value: str | int | float) -> float:
+    """A Kubernetes quantity ("8Gi", "500m", "1.5G", 1024) as a number."""
+    if isinstance(value, int | float):
+        return float(value)
+    match = _QUANTITY.match(value.strip())
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (like 8Gi, 512Mi, 500m, 2)")
+    return float(match.group(1)) * _SUFFIX[match.group(2)]
+
+
+def format_bytes_quantity(value: int) -> str:
+    """Bytes as a Kubernetes quantity, in whole MiB."""
+    return f"{max(1, -(-value // 2**20))}Mi"
+
+
+class TokenSecret(_Strict):
+    name: str = Field(min_length=1)
+    key: str = "token"
+
+
+class OomPolicy(_Strict):
+    memory_factor: float = Field(default=1.5, ge=1.0, le=16.0)
+    memory_cap: str = "64Gi"
+
+    @field_validator("memory_cap")
+    @classmethod
+    def _quantity(cls, value: str) -> str:
+        parse_quantity(value)
+        return value
+
+    @property
+    def memory_cap_bytes(self) -> int:
+        return int(parse_quantity(self.memory_cap))
+
+
+class KubernetesConfig(_Strict):
+    image: str = Field(min_length=1)
+    namespace: str | None = None
+    kubeconfig: Path | None = None
+    worker_command: list[str] = Field(default_factory=lambda: ["dlworker"], min_length=1)
+    working_dir: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: dict[str, dict[str, str]] = Field(default_factory=dict)
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class: str | None = None
+    service_account: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    master_service: str | None = None
+    master_address: str | None = None
+    token_secret: TokenSecret | None = None
+    pending_timeout_s: Seconds = 600.0
+    termination_grace_s: int = Field(default=30, ge=0, le=3_600)
+    oom: OomPolicy = OomPolicy()
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        for kind, amounts in value.items():
+            if kind not in ("requests", "limits"):
+                raise ValueError(f"{kind!r}: expected requests or limits")
+            for name, amount in amounts.items():
+                try:
+                    parse_quantity(amount)
+                except ValueError as exc:
+                    raise ValueError(f"{kind}.{name}: {exc}") from None
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for item in value:
+            if not isinstance(item.get("name"), str):
+                raise ValueError(f"{item!r}: every entry needs a name (a Kubernetes EnvVar)")
+        return value
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The worker container's memory limit (else request), if set."""
+        for kind in ("limits", "requests"):
+            amount = self.resources.get(kind, {}).get("memory")
+            if amount is not None:
+                return int(parse_quantity(amount))
+        return None
+
+
 class JobConfig(_Strict):
     name: str
-    platform: Literal["local"] = "local"
+    platform: Literal["local", "kubernetes"] = "local"
     nodes: NodesConfig = NodesConfig()
     nproc_per_node: int = Field(default=1, ge=1, le=1_024)
     command: str = Field(min_length=1)
@@ -124,6 +248,7 @@ class JobConfig(_Strict):
     master: MasterAddress = MasterAddress()
     tls: TlsConfig | None = None
     display: Literal["auto", "live", "plain", "off"] = "auto"
+    kubernetes: KubernetesConfig | None = None
     # Where the job.yaml lies; set by `load_job_config`, not by the file.
     base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
 
@@ -149,6 +274,10 @@ class JobConfig(_Strict):
     def _consistent(self) -> JobConfig:
         if self.token is not None and self.token_file is not None:
             raise ValueError("give either token or token_file, not both")
+        if self.platform == "kubernetes" and self.kubernetes is None:
+            raise ValueError("platform kubernetes needs a kubernetes: section (at least image)")
+        if self.platform != "kubernetes" and self.kubernetes is not None:
+            raise ValueError("a kubernetes: section needs platform: kubernetes")
         unit = self.rendezvous.node_unit
         if unit > self.nodes.maximum or self.nodes.maximum // unit * unit < self.nodes.min:
             raise ValueError(
@@ -180,8 +309,11 @@ class JobConfig(_Strict):
     @property
     def script(self) -> str:
         """The training script as dlworker gets it: a module name stays as is;
-        a relative script path is made absolute against the job.yaml."""
-        return self.command if self.module else str(self.path(Path(self.command)))
+        a relative script path is made absolute against the job.yaml, except
+        on Kubernetes, where it is a path in the training image."""
+        if self.module or self.platform == "kubernetes":
+            return self.command
+        return str(self.path(Path(self.command)))
 
 
 def load_job_config(path: Path) -> JobConfig:
@@ -208,7 +340,8 @@ def parse_job_config(
         config = JobConfig.model_validate({**data, "base_dir": base_dir})
     except ValidationError as exc:
         raise InvalidArgument(f"{source}: {_describe(exc)}") from None
-    if not config.module and not Path(config.script).is_file():
+    local_script = not config.module and config.platform == "local"
+    if local_script and not Path(config.script).is_file():
         raise InvalidArgument(f"{source}: command: no such script {config.script}")
     if config.token_file is not None:
         token_path = config.path(config.token_file)

@@ -164,7 +164,7 @@ def test_a_preempted_node_is_replaced_not_counted_as_done(make_job: Any) -> None
     job.stop_workers()
     code, out, err = job.finish()
     assert code == 0, err
-    assert "node-1 was lost (exit code 143): relaunching it" in out
+    assert "node-1 was lost (exit code 143, SIGTERM): relaunching it" in out
 
 
 def test_a_lost_node_with_no_relaunch_left_below_min_fails_the_job(make_job: Any) -> None:

@@ -14,7 +14,6 @@ happens on one thread per node, which only calls `on_line`.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -30,59 +29,24 @@ from typing import IO
 from dlfleet.api.client import TLS_CA_ENV
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.jobconfig import JobConfig
+from dlfleet.master.platform import Node, NodeExit, NodeState, Platform
 
 _log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 15.0
 
 
-class NodeState(enum.Enum):
-    STARTING = "starting"  # launched or waiting out its relaunch delay
-    RUNNING = "running"
-    STOPPING = "stopping"  # asked to leave (scale down or job end)
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # its training failed beyond its restarts
-    LOST = "lost"  # it died or lost the job; may be replaced
-    STOPPED = "stopped"  # left when asked
-    FAULTY = "faulty"  # lost too often: retired and replaced
-
-
 @dataclass
-class LocalNode:
-    name: str
-    index: int
-    relaunches: int = 0
-    state: NodeState = NodeState.STARTING
+class LocalNode(Node):
     proc: subprocess.Popen[bytes] | None = None
-    exit_code: int | None = None
-    start_at: float = 0.0  # monotonic time at which a pending launch happens
     reader: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
-    @property
-    def active(self) -> bool:
-        return self.state in (NodeState.STARTING, NodeState.RUNNING, NodeState.STOPPING)
 
-
-@dataclass(frozen=True)
-class NodeExit:
-    node: LocalNode
-    exit_code: int  # Popen's returncode: -N for signal N
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-class LocalPlatform:
+class LocalPlatform(Platform[LocalNode]):
     def __init__(
         self,
         config: JobConfig,
@@ -102,10 +66,6 @@ class LocalPlatform:
 
     # ---------------------------------------------------------------- intent
 
-    def start(self, count: int) -> None:
-        for _ in range(count):
-            self.add_node()
-
     def add_node(self, delay_s: float = 0.0) -> LocalNode:
         node = LocalNode(name=f"node-{len(self.nodes)}", index=len(self.nodes))
         self.nodes.append(node)
@@ -115,9 +75,9 @@ class LocalPlatform:
             self._launch(node)
         return node
 
-    def relaunch(self, node: LocalNode, delay_s: float) -> None:
+    def relaunch(self, node: LocalNode, delay_s: float, memory_bytes: int | None = None) -> None:
         """Replace a lost node under the same name (a new incarnation to the
-        master) after `delay_s`."""
+        master) after `delay_s`. Local nodes have no memory limit."""
         node.relaunches += 1
         node.state = NodeState.STARTING
         node.proc = None
@@ -125,23 +85,15 @@ class LocalPlatform:
         node.start_at = time.monotonic() + delay_s
 
     def stop_node(self, node: LocalNode) -> None:
-        """Ask a node to leave: its agent stops its workers and leaves the
-        round, and the others re-form without it."""
         if node.proc is None:  # not launched yet
             node.state = NodeState.STOPPED
             return
         node.state = NodeState.STOPPING
         self._signal(node, signal.SIGTERM)
 
-    @property
-    def active(self) -> list[LocalNode]:
-        return [node for node in self.nodes if node.active]
-
     # ---------------------------------------------------------------- watch
 
     def poll(self) -> list[NodeExit]:
-        """Launch nodes whose relaunch delay is over; report nodes that exited
-        since the last poll."""
         exits: list[NodeExit] = []
         now = time.monotonic()
         for node in self.nodes:
@@ -161,7 +113,7 @@ class LocalPlatform:
         return exits
 
     def shutdown(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every node still running: SIGTERM, then SIGKILL after `grace_s`."""
+        """SIGTERM every node still running, then SIGKILL after `grace_s`."""
         running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         for node in running:
             self._signal(node, signal.SIGTERM)
@@ -200,6 +152,9 @@ class LocalPlatform:
         if config.module:
             command.append("--module")
         return [*command, config.script, *config.args]
+
+    def log_hint(self, node: LocalNode) -> str:
+        return f"see {self.log_dir / (node.name + '.log')}"
 
     def _launch(self, node: LocalNode) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -252,107 +207,3 @@ class LocalPlatform:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.proc.pid, sig)
-
-
-class LocalMaster:
-    """The job's master as a child process (`dlmaster` in serve mode on the
-    job's store), so that a master that crashes can be started again while
-    the nodes keep training: the agents reconnect to the same address, and
-    the new master continues from the store. Its output goes to `on_line`."""
-
-    def __init__(
-        self,
-        config: JobConfig,
-        *,
-        port: int,
-        token: str,
-        on_line: Callable[[str, str], None],
-        python: str = sys.executable,
-    ) -> None:
-        self.config = config
-        self.port = port
-        self.token = token
-        self.on_line = on_line
-        self.python = python
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = -1  # the first start is not a restart
-        self.listening = threading.Event()
-        self.log_dir = config.work_dir / "logs"
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.master.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    def command(self, forget_nodes: bool) -> list[str]:
-        config = self.config
-        command = [
-            self.python, "-u", "-m", "dlfleet.master",
-            "--host", config.master.host,
-            "--port", str(self.port),
-            "--state-store", config.store_url,
-            "--job-name", config.name,
-            "--lease-timeout", str(config.lease_timeout_s),
-            "--heartbeat-interval", str(config.heartbeat.interval_s),
-            "--heartbeat-timeout", str(config.heartbeat.timeout_s),
-            "--min-nodes", str(config.nodes.min),
-            "--max-nodes", str(config.nodes.maximum),
-            "--node-unit", str(config.rendezvous.node_unit),
-            "--last-call-timeout", str(config.rendezvous.last_call_timeout_s),
-            "--join-timeout", str(config.rendezvous.join_timeout_s),
-        ]  # fmt: skip
-        if config.tls is not None:
-            command += ["--tls-cert", str(config.path(config.tls.cert_file))]
-            command += ["--tls-key", str(config.path(config.tls.key_file))]
-        if forget_nodes:
-            command.append("--forget-nodes")
-        return command
-
-    def start(self, forget_nodes: bool = False) -> None:
-        """Start (or start again) the master; `forget_nodes` on a job's first
-        start, when the nodes in the store are an earlier run's, all dead."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.restarts += 1
-        self.listening.clear()
-        env = {**os.environ, "DLFLEET_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            die_with_parent(self.command(forget_nodes)),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        threading.Thread(
-            target=self._pump, args=(self.proc.stdout,), name="output-master", daemon=True
-        ).start()
-
-    def wait_listening(self, timeout_s: float) -> bool:
-        return self.listening.wait(timeout_s)
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def _pump(self, stream: IO[bytes]) -> None:
-        with stream, (self.log_dir / "master.log").open("ab") as log:
-            for raw in stream:
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                if line.startswith("dlmaster: listening on"):
-                    self.listening.set()
-                self.on_line("master", line)

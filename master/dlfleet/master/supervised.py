@@ -1,0 +1,118 @@
+"""The job's master as a child process of its supervisor (`dlmaster
+--job-config`), on every platform."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+from dlfleet.api.processes import die_with_parent
+from dlfleet.master.jobconfig import JobConfig
+
+
+class SupervisedMaster:
+    """The job's master as a child process (`dlmaster` in serve mode on the
+    job's store), so that a master that crashes can be started again while
+    the nodes keep training: the agents reconnect to the same address, and
+    the new master continues from the store. Its output goes to `on_line`."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        port: int,
+        token: str,
+        on_line: Callable[[str, str], None],
+        python: str = sys.executable,
+    ) -> None:
+        self.config = config
+        self.port = port
+        self.token = token
+        self.on_line = on_line
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = -1  # the first start is not a restart
+        self.listening = threading.Event()
+        self.log_dir = config.work_dir / "logs"
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.master.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def command(self, forget_nodes: bool) -> list[str]:
+        config = self.config
+        command = [
+            self.python, "-u", "-m", "dlfleet.master",
+            "--host", config.master.host,
+            "--port", str(self.port),
+            "--state-store", config.store_url,
+            "--job-name", config.name,
+            "--lease-timeout", str(config.lease_timeout_s),
+            "--heartbeat-interval", str(config.heartbeat.interval_s),
+            "--heartbeat-timeout", str(config.heartbeat.timeout_s),
+            "--min-nodes", str(config.nodes.min),
+            "--max-nodes", str(config.nodes.maximum),
+            "--node-unit", str(config.rendezvous.node_unit),
+            "--last-call-timeout", str(config.rendezvous.last_call_timeout_s),
+            "--join-timeout", str(config.rendezvous.join_timeout_s),
+        ]  # fmt: skip
+        if config.tls is not None:
+            command += ["--tls-cert", str(config.path(config.tls.cert_file))]
+            command += ["--tls-key", str(config.path(config.tls.key_file))]
+        if forget_nodes:
+            command.append("--forget-nodes")
+        return command
+
+    def start(self, forget_nodes: bool = False) -> None:
+        """Start (or start again) the master; `forget_nodes` on a job's first
+        start, when the nodes in the store are an earlier run's, all dead."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.restarts += 1
+        self.listening.clear()
+        env = {**os.environ, "DLFLEET_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            die_with_parent(self.command(forget_nodes)),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        threading.Thread(
+            target=self._pump, args=(self.proc.stdout,), name="output-master", daemon=True
+        ).start()
+
+    def wait_listening(self, timeout_s: float) -> bool:
+        return self.listening.wait(timeout_s)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _pump(self, stream: IO[bytes]) -> None:
+        with stream, (self.log_dir / "master.log").open("ab") as log:
+            for raw in stream:
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.startswith("dlmaster: listening on"):
+                    self.listening.set()
+                self.on_line("master", line)
