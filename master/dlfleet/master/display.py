@@ -50,6 +50,17 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
     lines.append(
         f"  {status.samples_per_second:.1f} samples/s | ETA {format_duration(status.eta_seconds)}"
     )
+    for node in status.nodes:
+        if node.detail and node.state == "starting":
+            lines.append(f"  {node.name}: {node.detail[:140]}")
+        elif node.HasField("metrics") and node.state == "running":
+            m = node.metrics
+            lines.append(
+                f"  {node.name}: {m.samples_per_second:.1f} samples/s | step "
+                f"{m.step_time_ms:.0f} ms | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
+            )
+    if status.last_plan:
+        lines.append(f"  brain: {status.last_plan[:160]}")
     if status.HasField("last_failure"):
         failure = status.last_failure
         message = failure.message.strip().splitlines()

@@ -460,15 +460,21 @@ class JobRunner:
             status.master_pid = self.master.pid
             status.master_restarts = max(0, self.master.restarts)
         if self.platform is not None:
+            reports = {r.node_id.rpartition("#")[0]: r for r in view.nodes}
             for node in self.platform.nodes:
-                status.nodes.append(
-                    job_pb2.NodeStatus(
-                        name=node.name,
-                        state=node.state.value,
-                        pid=node.pid,
-                        relaunches=node.relaunches,
-                    )
+                entry = job_pb2.NodeStatus(
+                    name=node.name,
+                    state=node.state.value,
+                    pid=node.pid,
+                    relaunches=node.relaunches,
+                    detail=node.detail,
+                    memory_bytes=node.memory_bytes or 0,
                 )
+                report = reports.get(node.name)
+                if report is not None and node.active:
+                    entry.node_id = report.node_id
+                    entry.metrics.CopyFrom(report.metrics)
+                status.nodes.append(entry)
         done = sum(ds.records_done for ds in view.datasets)
         remaining = sum(ds.records_total - ds.records_done for ds in view.datasets)
         self.progress.add(time.monotonic(), done)

@@ -33,6 +33,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self.durable = durable
         self.membership = membership
         self.failures: deque[rendezvous_pb2.FailureReport] = deque(maxlen=FAILURES_KEPT)
+        # The latest metrics each node's heartbeats carried, and when (ms).
+        self.metrics: dict[str, tuple[rendezvous_pb2.NodeMetrics, int]] = {}
 
     @rpc
     async def Join(
@@ -87,6 +89,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             reader.cancel()
             if self.membership.sessions.get(node_id) is queue:
                 del self.membership.sessions[node_id]
+            self.metrics.pop(node_id, None)
             await self._session_ended(node_id, incarnation)
 
     async def _read_heartbeats(
@@ -96,8 +99,11 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         incarnation: int,
     ) -> None:
         with contextlib.suppress(Exception):  # the stream broke: the session is over
-            async for _ in messages:
-                self.state.nodes.heartbeat(node_id, incarnation, self.clock())
+            async for message in messages:
+                now = self.clock()
+                self.state.nodes.heartbeat(node_id, incarnation, now)
+                if message.HasField("metrics"):
+                    self.metrics[node_id] = (message.metrics, now)
 
     async def _session_ended(self, node_id: str, incarnation: int) -> None:
         """A session that ends while its node is live means the agent died

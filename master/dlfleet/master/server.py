@@ -428,7 +428,10 @@ class MasterServer:
         self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
         job_pb2_grpc.add_MasterServicer_to_server(
-            MasterStatusService(self.state, self.rendezvous.failures), server
+            MasterStatusService(
+                self.state, self.rendezvous.failures, self.rendezvous.metrics, self.clock
+            ),
+            server,
         )
         for add_service in self._extra_services:
             add_service(server)

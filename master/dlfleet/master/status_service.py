@@ -4,22 +4,32 @@ failures), for the job's supervisor and its display."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.master.rpc import rpc
 from dlfleet.master.state import MasterState
 
+NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
+
 
 def master_status(
-    state: MasterState, failures: Iterable[rendezvous_pb2.FailureReport]
+    state: MasterState,
+    failures: Iterable[rendezvous_pb2.FailureReport],
+    metrics: NodeMetricsView | None = None,
+    now_ms: int = 0,
 ) -> job_pb2.MasterStatus:
     status = job_pb2.MasterStatus(nodes_live=len(state.nodes.nodes))
     active = state.rendezvous.state.active
     if active is not None:
         status.round = active.round
         status.world_size = sum(active.local_world_sizes())
+        status.round_nodes = len(active.local_world_sizes())
+    for node_id, (sample, at) in sorted((metrics or {}).items()):
+        status.nodes.append(
+            job_pb2.NodeReport(node_id=node_id, metrics=sample, age_ms=max(0, now_ms - at))
+        )
     for name in sorted(state.book.datasets):
         view = state.book.status(name)
         per_epoch, epochs = view.records_per_epoch, view.config.epochs
@@ -41,13 +51,19 @@ def master_status(
 
 class MasterStatusService(job_pb2_grpc.MasterServicer):
     def __init__(
-        self, state: MasterState, failures: Iterable[rendezvous_pb2.FailureReport]
+        self,
+        state: MasterState,
+        failures: Iterable[rendezvous_pb2.FailureReport],
+        metrics: NodeMetricsView,
+        clock: Callable[[], int],
     ) -> None:
         self.state = state
         self.failures = failures
+        self.metrics = metrics
+        self.clock = clock
 
     @rpc
     async def GetStatus(
         self, request: job_pb2.MasterStatusRequest, context: Any
     ) -> job_pb2.MasterStatus:
-        return master_status(self.state, self.failures)
+        return master_status(self.state, self.failures, self.metrics, self.clock())

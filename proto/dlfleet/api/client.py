@@ -524,7 +524,10 @@ class AgentSession:
         self.events: queue.Queue[rendezvous_pb2.SessionEvent] = queue.Queue()
         self.broken = threading.Event()
         self.closed_by_master = threading.Event()
-        self._interval = heartbeat_interval_s
+        self.interval = heartbeat_interval_s
+        # What the next heartbeat tells about the node's training (set by the
+        # agent; None until it has measured something).
+        self.metrics: rendezvous_pb2.NodeMetrics | None = None
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
 
@@ -561,12 +564,13 @@ class AgentSession:
         self, call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any]
     ) -> None:
         while True:
-            await call.write(
-                rendezvous_pb2.SessionMessage(
-                    node_id=self.node_id, incarnation=self.incarnation, round=self.round
-                )
+            message = rendezvous_pb2.SessionMessage(
+                node_id=self.node_id, incarnation=self.incarnation, round=self.round
             )
-            await asyncio.sleep(self._interval)
+            if self.metrics is not None:
+                message.metrics.CopyFrom(self.metrics)
+            await call.write(message)
+            await asyncio.sleep(self.interval)
 
     def close(self) -> None:
         """End the session (the master then treats the node as gone unless it

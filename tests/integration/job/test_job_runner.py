@@ -34,9 +34,11 @@ WORKER = textwrap.dedent(
         os.kill(os.getppid(), 9)  # a node that keeps dying: SIGKILL its agent
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
         raise ZeroDivisionError("rank " + os.environ["RANK"] + " divides by zero")
+    from dlfleet.worker import progress
     deadline = time.monotonic() + float(os.environ.get("SECONDS_TO_RUN", "60"))
     while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
         time.sleep(0.05)
+        progress.step(4)  # a "step" of 4 samples every 50 ms
     """
 )
 
@@ -202,6 +204,18 @@ def test_status_shows_the_round_and_the_nodes(make_job: Any) -> None:
     assert status["world_size"] == 4 and status["target_nodes"] == 2
     text = job.control("status").stdout
     assert "job test-job: running" in text and "nodes 2 running" in text
+
+    def measured() -> bool:  # the agents' heartbeats carry their workers' metrics
+        nodes = job.status()["nodes"]
+        return all(n.get("metrics", {}).get("steps_per_second", 0) > 0 for n in nodes)
+
+    job.wait_for(measured, "node metrics")
+    for node in job.status()["nodes"]:
+        metrics = node["metrics"]
+        assert int(metrics["rss_bytes"]) > 10 << 20, node  # two python processes
+        # 2 ranks x 4 samples every ~50 ms (sleep plus a loaded machine's slack)
+        assert 20 < metrics["samples_per_second"] <= 170, node
+        assert 40 < metrics["step_time_ms"] < 400, node
     job.stop_workers()
     assert job.finish()[0] == 0
 

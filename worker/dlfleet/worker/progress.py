@@ -1,10 +1,13 @@
 """Step progress, from a training process to its agent: the watchdog's input.
 
-The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()` sets
-its modification time to now, at most every `MIN_INTERVAL_S`. The agent's
-`--step-timeout` watchdog restarts the workers when a rank that has stepped
-at least once has not stepped for that long: a silent hang (a collective
-waiting forever, a deadlocked data pipeline) becomes a failure.
+The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
+writes the process's step and sample counts into it (`"<steps> <samples>"`),
+at most every `MIN_INTERVAL_S`, which also sets its modification time. The
+agent's `--step-timeout` watchdog restarts the workers when a rank that has
+stepped at least once has not stepped for that long: a silent hang (a
+collective waiting forever, a deadlocked data pipeline) becomes a failure.
+The counts give the node's step time and samples/s, which the agent sends
+the master with its heartbeats (for the brain and the status display).
 
 `idle()` takes the rank off the watch until its next `step()`: between
 epochs, for evaluation, a final checkpoint, or the process's teardown, which
@@ -24,11 +27,14 @@ import time
 PROGRESS_ENV = "DLFLEET_PROGRESS_FILE"
 MIN_INTERVAL_S = 0.5
 
-_last = [0.0]  # when step() last touched the file (monotonic)
+_last = [0.0]  # when step() last wrote the file (monotonic)
+_counts = [0, 0]  # steps, samples since the process started
 
 
-def step() -> None:
-    """Tell the agent this process made a training step."""
+def step(samples: int = 0) -> None:
+    """Tell the agent this process made a training step of `samples` records."""
+    _counts[0] += 1
+    _counts[1] += samples
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
@@ -37,10 +43,20 @@ def step() -> None:
         return
     _last[0] = now
     try:
-        with open(path, "a"):
-            os.utime(path)
+        with open(path, "w") as out:
+            out.write(f"{_counts[0]} {_counts[1]}\n")
     except OSError:
         pass  # a progress signal must never break training
+
+
+def read_counts(path: str) -> tuple[int, int] | None:
+    """(steps, samples) from a progress file; None if absent or unreadable."""
+    try:
+        with open(path) as source:
+            steps, samples = source.read().split()
+        return int(steps), int(samples)
+    except (OSError, ValueError):
+        return None
 
 
 def idle() -> None:

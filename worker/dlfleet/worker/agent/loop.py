@@ -44,6 +44,7 @@ from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
+from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.workers import (
     GroupStatus,
     WorkerFailure,
@@ -139,6 +140,8 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.rounds: list[RoundAssignment] = []
         self.progress_dir = self.log_dir / "progress"
+        self.sampler: NodeSampler | None = None
+        self._sampled_at = 0.0
 
     # ---------------------------------------------------------------- life
 
@@ -247,6 +250,10 @@ class Agent:
             env[PROGRESS_ENV] = str(self.progress_dir / str(local_rank))
         self.group = WorkerGroup()
         self.group.start(self.config, envs, self.log_dir, assignment.round)
+        peak = self.sampler.peak_rss if self.sampler is not None else 0
+        self.sampler = NodeSampler(self.progress_dir, self.group.pids)
+        self.sampler.peak_rss = peak
+        self._sampled_at = time.monotonic()
         return Running(assignment, phase.restart_count)
 
     def _watch(self, phase: Running) -> Phase:
@@ -266,6 +273,7 @@ class Agent:
         if self.session.closed_by_master.is_set():
             self._stop_workers()
             return Failed(None, "the master no longer knows this node (it was dropped)")
+        self._sample()
         state = self.group.poll()
         if state.status is GroupStatus.SUCCEEDED:
             self._stop_workers()
@@ -279,6 +287,14 @@ class Agent:
             self._stop_workers()
             return Restarting(hung, phase.restart_count)
         return phase
+
+    def _sample(self) -> None:
+        """Measure the workers once per heartbeat; the next beat carries it."""
+        assert self.session is not None
+        if self.sampler is None or time.monotonic() - self._sampled_at < self.session.interval:
+            return
+        self._sampled_at = time.monotonic()
+        self.session.metrics = self.sampler.sample()
 
     def _hung_rank(self) -> WorkerFailure | None:
         """The watchdog: a rank that stepped once, then not for step_timeout."""

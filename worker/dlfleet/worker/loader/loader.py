@@ -137,7 +137,7 @@ class ShardedDataLoader:
                 except StopIteration:
                     break
                 stream.received()
-                progress.step()  # for the agent's hang watchdog (--step-timeout)
+                progress.step(self.batch_size)  # the agent's watchdog and node metrics
                 yield batch
             stream.end_iteration()
         finally:

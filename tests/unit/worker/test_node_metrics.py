@@ -1,0 +1,80 @@
+"""NodeSampler: real processes, real /proc, real progress files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dlfleet.worker import progress
+from dlfleet.worker.agent.metrics import NodeSampler, descendants
+
+# A worker that burns CPU, holds ~64 MiB, and steps 8 samples at a time.
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    os.environ["DLFLEET_PROGRESS_FILE"] = sys.argv[1]
+    from dlfleet.worker import progress
+    hold = bytearray(64 << 20)
+    for i in range(0, len(hold), 4096):
+        hold[i] = 1
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        t = time.monotonic()
+        while time.monotonic() - t < 0.01:
+            pass
+        progress.step(8)
+    """
+)
+
+
+def test_sampler_measures_cpu_memory_and_steps(tmp_path: Path) -> None:
+    progress_file = tmp_path / "0"
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(progress_file)])
+    try:
+        deadline = time.monotonic() + 20
+        while progress.read_counts(str(progress_file)) is None:
+            assert time.monotonic() < deadline, "the worker never wrote its progress"
+            time.sleep(0.05)
+        sampler = NodeSampler(tmp_path, [proc.pid])
+        time.sleep(1.5)
+        metrics = sampler.sample()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert metrics.cpu_percent > 30, metrics  # a busy loop: most of a core
+    assert metrics.rss_bytes > 60 << 20, metrics
+    assert metrics.peak_rss_bytes >= metrics.rss_bytes
+    # ~10 ms a step: between 30 and 110 steps/s, allowing a loaded machine.
+    assert 20 < metrics.steps_per_second < 110, metrics
+    assert abs(metrics.samples_per_second - 8 * metrics.steps_per_second) < 1e-6
+    assert 9 < metrics.step_time_ms < 60, metrics
+    assert metrics.steps > 0
+
+
+def test_idle_rank_keeps_its_counts_and_no_negative_rates(tmp_path: Path) -> None:
+    (tmp_path / "0").write_text("100 800\n")
+    sampler = NodeSampler(tmp_path, [999_999_999])  # no such process
+    (tmp_path / "0").unlink()  # idle() between epochs
+    metrics = sampler.sample()
+    assert metrics.steps_per_second == 0 and metrics.cpu_percent == 0
+    (tmp_path / "0").write_text("110 880\n")
+    time.sleep(0.1)
+    metrics = sampler.sample()
+    assert metrics.steps == 110 and metrics.steps_per_second > 0
+
+
+def test_descendants_include_children(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys; subprocess.run(['sleep', '5'])"]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(parent.pid)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
