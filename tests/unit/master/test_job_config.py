@@ -98,3 +98,75 @@ def test_paths_are_relative_to_the_job_yaml(base: Path, tmp_path: Path) -> None:
     config = load_job_config(sub / "job.yaml")
     assert config.script == str(sub / "train.py")
     assert config.work_dir == sub / "out"
+
+
+# ------------------------------------------------------------ kubernetes
+
+
+def test_a_kubernetes_job_keeps_its_script_as_an_image_path(base: Path) -> None:
+    config = parse(
+        base,
+        command="/workspace/train.py",  # not on this machine: it is in the image
+        platform="kubernetes",
+        kubernetes={
+            "image": "registry.example.com/train:1",
+            "resources": {"limits": {"memory": "8Gi", "cpu": "500m"}},
+        },
+    )
+    assert config.script == "/workspace/train.py"
+    assert config.kubernetes is not None
+    assert config.kubernetes.memory_bytes == 8 << 30
+    assert config.kubernetes.worker_command == ["dlworker"]
+    assert config.kubernetes.oom.memory_factor == 1.5
+    assert config.kubernetes.oom.memory_cap_bytes == 64 << 30
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"platform": "kubernetes"}, "platform kubernetes needs a kubernetes: section"),
+        ({"kubernetes": {"image": "x"}}, "a kubernetes: section needs platform: kubernetes"),
+        (
+            {"platform": "kubernetes", "kubernetes": {}},
+            "kubernetes.image: required",
+        ),
+        (
+            {"platform": "kubernetes",
+             "kubernetes": {"image": "x", "resources": {"limits": {"memory": "8 gigs"}}}},
+            "kubernetes.resources: limits.memory: '8 gigs' is not a Kubernetes quantity",
+        ),
+        (
+            {"platform": "kubernetes", "kubernetes": {"image": "x", "resources": {"limit": {}}}},
+            "'limit': expected requests or limits",
+        ),
+        (
+            {"platform": "kubernetes", "kubernetes": {"image": "x", "env": [{"value": "1"}]}},
+            "every entry needs a name",
+        ),
+        (
+            {"platform": "kubernetes", "kubernetes": {"image": "x", "oom": {"memory_cap": "lots"}}},
+            "kubernetes.oom.memory_cap",
+        ),
+        (
+            {"platform": "kubernetes", "kubernetes": {"image": "x", "imagee": "y"}},
+            "kubernetes.imagee: unknown setting",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_kubernetes_sections_name_the_field(
+    base: Path, fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        parse(base, **fields)
+    assert message in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1.5G", 1.5e9), ("500m", 0.5), ("2", 2.0), (3, 3.0)],
+)
+def test_quantities_parse_like_kubernetes(text: str | int, value: float) -> None:
+    from dlfleet.master.jobconfig import format_bytes_quantity, parse_quantity
+
+    assert parse_quantity(text) == value
+    assert parse_quantity(format_bytes_quantity(int(value) or 1)) >= value
