@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+echo "== Kubernetes test environment (built once, then cached)"
+scripts/kube_env.sh | tail -1
 echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -1,0 +1,339 @@
+"""The Kubernetes test environment itself: a real control plane (etcd,
+kube-apiserver, controller-manager, scheduler) and the test kubelet that runs
+Pods as local processes, so that the Kubernetes platform's tests can rely on
+both."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubetest import KubeCluster, TestKubelet, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.kube]
+
+Json = dict[str, Any]
+
+
+@pytest.fixture
+def core(kube_api: Any) -> Any:
+    return client.CoreV1Api(kube_api)
+
+
+def pod_manifest(
+    name: str,
+    command: list[str],
+    *,
+    restart_policy: str = "Never",
+    env: list[Json] | None = None,
+    **spec: Any,
+) -> Json:
+    container: Json = {"name": "main", "image": "busybox", "command": command, "env": env or []}
+    container.update(spec.pop("container", {}))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"restartPolicy": restart_policy, "containers": [container], **spec},
+    }
+
+
+def wait_pod(core: Any, namespace: str, name: str, check: Callable[[Any], bool], what: str) -> Any:
+    def probe() -> Any:
+        pod = core.read_namespaced_pod(name, namespace)
+        return pod if check(pod) else None
+
+    return wait_until(probe, 30, f"pod {namespace}/{name}: {what}")
+
+
+def finished(core: Any, namespace: str, name: str) -> Any:
+    return wait_pod(
+        core, namespace, name, lambda pod: pod.status.phase in ("Succeeded", "Failed"), "finished"
+    )
+
+
+def started(core: Any, kubelet: TestKubelet, namespace: str, name: str) -> int:
+    wait_pod(core, namespace, name, lambda pod: pod.status.phase == "Running", "running")
+    pid = kubelet.pid(namespace, name)
+    assert pid is not None
+    return pid
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (this machine's
+    init reaps orphans lazily)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def terminated(pod: Any) -> Any:
+    return pod.status.container_statuses[0].state.terminated
+
+
+def test_pod_command_runs_and_the_pod_succeeds_with_exit_code_0(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_pod(namespace, pod_manifest("hello", ["sh", "-c", "echo hello"]))
+
+    pod = finished(core, namespace, "hello")
+
+    assert pod.spec.node_name == kubelet.node_name
+    assert (pod.status.phase, pod.status.pod_ip) == ("Succeeded", "127.0.0.1")
+    assert (terminated(pod).exit_code, terminated(pod).reason) == (0, "Completed")
+    assert kubelet.log_path(namespace, "hello").read_text() == "hello\n"
+
+
+def test_failing_command_fails_the_pod_with_its_exit_code(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_pod(namespace, pod_manifest("fails", ["sh", "-c", "exit 3"]))
+
+    pod = finished(core, namespace, "fails")
+
+    assert pod.status.phase == "Failed"
+    assert (terminated(pod).exit_code, terminated(pod).reason) == (3, "Error")
+
+
+@pytest.mark.parametrize(
+    ("control", "reason"),
+    [(TestKubelet.kill, "Error"), (TestKubelet.oom_kill, "OOMKilled")],
+    ids=["kill", "oom_kill"],
+)
+def test_killed_process_fails_the_pod_with_exit_code_137(
+    kubelet: TestKubelet,
+    namespace: str,
+    core: Any,
+    control: Callable[[TestKubelet, str, str], None],
+    reason: str,
+) -> None:
+    core.create_namespaced_pod(namespace, pod_manifest("victim", ["sleep", "60"]))
+    started(core, kubelet, namespace, "victim")
+
+    control(kubelet, namespace, "victim")
+
+    pod = finished(core, namespace, "victim")
+    assert pod.status.phase == "Failed"
+    assert (terminated(pod).exit_code, terminated(pod).reason) == (137, reason)
+
+
+def test_evicted_pod_fails_with_reason_evicted_and_is_not_restarted(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    manifest = pod_manifest("evictee", ["sleep", "60"], restart_policy="Always")
+    core.create_namespaced_pod(namespace, manifest)
+    started(core, kubelet, namespace, "evictee")
+
+    kubelet.evict(namespace, "evictee", "The node was low on resource: memory.")
+
+    pod = finished(core, namespace, "evictee")
+    assert (pod.status.phase, pod.status.reason) == ("Failed", "Evicted")
+    assert pod.status.message == "The node was low on resource: memory."
+    assert pod.status.container_statuses[0].restart_count == 0
+
+
+def test_on_failure_restarts_the_process_in_place(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    # Fails the first time, succeeds the second: the pod dir (cwd) persists.
+    script = "test -e tried && exit 0; touch tried; exit 1"
+    manifest = pod_manifest("flaky", ["sh", "-c", script], restart_policy="OnFailure")
+    core.create_namespaced_pod(namespace, manifest)
+
+    pod = finished(core, namespace, "flaky")
+
+    status = pod.status.container_statuses[0]
+    assert (pod.status.phase, status.restart_count) == ("Succeeded", 1)
+    assert status.last_state.terminated.exit_code == 1
+
+
+def test_env_from_field_refs_config_maps_and_secrets_reaches_the_process(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "cm"}, "data": {"mode": "fast"}}
+    )
+    core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "creds"}, "stringData": {"password": "hunter2"}}
+    )
+    env: list[Json] = [
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "mode"}}},
+        {"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+        {"name": "GREETING", "value": "hi $(POD)"},
+    ]
+    resources = {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+    manifest = pod_manifest(
+        "envy",
+        ["sh", "-c", 'echo "$POD $NS $IP $MODE $PASSWORD $GREETING"'],
+        env=env,
+        container={"resources": resources},
+    )
+    core.create_namespaced_pod(namespace, manifest)
+
+    assert finished(core, namespace, "envy").status.phase == "Succeeded"
+    logged = kubelet.log_path(namespace, "envy").read_text()
+    assert logged == f"envy {namespace} 127.0.0.1 fast hunter2 hi envy\n"
+    recorded = kubelet.resources(namespace, "envy")
+    assert (recorded.requests, recorded.limits) == (resources["requests"], resources["limits"])
+
+
+def test_config_map_volume_is_written_locally_and_its_mount_path_rewritten(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "app"}, "data": {"app.yaml": "epochs: 2\n"}}
+    )
+    # The argument, the env value and the workingDir all point into the mount.
+    manifest = pod_manifest(
+        "mounted",
+        ["sh", "-c", 'cat "$1" "$APP_CONFIG" app.yaml', "sh", "/etc/app/app.yaml"],
+        env=[{"name": "APP_CONFIG", "value": "/etc/app/app.yaml"}],
+        volumes=[{"name": "config", "configMap": {"name": "app"}}],
+        container={
+            "workingDir": "/etc/app",
+            "volumeMounts": [{"name": "config", "mountPath": "/etc/app"}],
+        },
+    )
+    core.create_namespaced_pod(namespace, manifest)
+
+    assert finished(core, namespace, "mounted").status.phase == "Succeeded"
+    assert kubelet.log_path(namespace, "mounted").read_text() == "epochs: 2\n" * 3
+
+
+def test_deleting_a_running_pod_kills_its_process_after_the_grace_period(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    # SIGTERM is ignored: only the SIGKILL at the end of the grace period ends it.
+    manifest = pod_manifest(
+        "stubborn", ["sh", "-c", "trap '' TERM; sleep 60"], terminationGracePeriodSeconds=1
+    )
+    core.create_namespaced_pod(namespace, manifest)
+    pid = started(core, kubelet, namespace, "stubborn")
+
+    core.delete_namespaced_pod("stubborn", namespace)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod("stubborn", namespace)
+        except ApiException as exc:
+            return bool(exc.status == 404)
+        return False
+
+    wait_until(gone, 15, "the pod object to go")
+    assert live_processes_in_group(pid) == []
+
+
+def test_pods_bound_before_the_kubelet_starts_are_run(
+    kube_cluster: KubeCluster, namespace: str, core: Any, tmp_path: Path
+) -> None:
+    manifest = pod_manifest("early", ["true"], nodeName="kubetest-late-node")
+    core.create_namespaced_pod(namespace, manifest)
+
+    with TestKubelet(kube_cluster.kubeconfig_path, "kubetest-late-node", tmp_path):
+        assert finished(core, namespace, "early").status.phase == "Succeeded"
+
+
+def test_job_controller_creates_a_pod_that_runs_to_completion(
+    kubelet: TestKubelet, namespace: str, kube_api: Any
+) -> None:
+    batch: Any = client.BatchV1Api(kube_api)
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "once"},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod_manifest("unused", ["true"])["spec"]}},
+    }
+    batch.create_namespaced_job(namespace, job)
+
+    def succeeded() -> bool:
+        return bool(batch.read_namespaced_job_status("once", namespace).status.succeeded)
+
+    wait_until(succeeded, 30, "job once to succeed")
+
+
+def test_deleting_an_owner_garbage_collects_its_dependents(namespace: str, core: Any) -> None:
+    owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}})
+    reference = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "owner",
+        "uid": owner.metadata.uid,
+    }
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "dependent", "ownerReferences": [reference]}}
+    )
+
+    core.delete_namespaced_config_map("owner", namespace)
+
+    def collected() -> bool:
+        names = [item.metadata.name for item in core.list_namespaced_config_map(namespace).items]
+        return "dependent" not in names
+
+    wait_until(collected, 30, "the dependent config map to be collected")
+
+
+def test_service_account_without_a_role_is_forbidden_to_list_pods(
+    kube_cluster: KubeCluster, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "nobody"}})
+    kubeconfig = kube_cluster.service_account_kubeconfig(namespace, "nobody")
+
+    with kube_cluster.api_client(kubeconfig) as api, pytest.raises(ApiException) as denied:
+        client.CoreV1Api(api).list_namespaced_pod(namespace)
+
+    assert denied.value.status == 403
+
+
+def test_cluster_and_kubelet_keep_working_across_an_apiserver_restart(
+    kube_cluster: KubeCluster, kubelet: TestKubelet, namespace: str, kube_api: Any
+) -> None:
+    kube_cluster.restart_apiserver()
+
+    # The scheduler and the kubelet's watch reconnect on their own.
+    core: Any = client.CoreV1Api(kube_api)
+    core.create_namespaced_pod(namespace, pod_manifest("after", ["true"]))
+    assert finished(core, namespace, "after").status.phase == "Succeeded"
+    assert kube_cluster.kubectl("get", "pods", "-n", namespace).returncode == 0
+
+
+def test_kill_sends_the_given_signal_to_the_process(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_pod(namespace, pod_manifest("polite", ["sleep", "60"]))
+    started(core, kubelet, namespace, "polite")
+
+    kubelet.kill(namespace, "polite", signal.SIGTERM)
+
+    assert terminated(finished(core, namespace, "polite")).exit_code == 128 + signal.SIGTERM
+
+
+def test_kubectl_checks_manifests_with_a_server_side_dry_run(
+    kube_cluster: KubeCluster, namespace: str
+) -> None:
+    def dry_run(manifest: Json) -> subprocess.CompletedProcess[str]:
+        return kube_cluster.kubectl(
+            "apply", "--dry-run=server", "-n", namespace, "-f", "-", input_text=json.dumps(manifest)
+        )
+
+    accepted = dry_run(pod_manifest("checked", ["true"]))
+    rejected = dry_run(pod_manifest("Not_A_Name", ["true"]))
+
+    assert accepted.returncode == 0, accepted.stderr
+    assert rejected.returncode != 0
+    assert "Invalid value" in rejected.stderr
