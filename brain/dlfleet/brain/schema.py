@@ -1,0 +1,112 @@
+"""The brain's schema, migrated with Alembic from inside the package.
+
+`migrate(url)` (and `Repository.open`) upgrade a database to the newest
+revision: from empty, the tables are created; at head, nothing happens. A
+database migrated by a newer brain (a revision this one does not know) is
+refused with SchemaError rather than used half-understood. Alembic's version
+table is `brain_alembic_version`, apart from anyone else's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from dlfleet.brain import db
+from dlfleet.brain.errors import DatabaseError, SchemaError
+
+VERSION_TABLE = "brain_alembic_version"
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head() -> str:
+    revision = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert revision is not None, "the brain ships at least one migration"
+    return revision
+
+
+def current(connection: Connection) -> str | None:
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    with _connection(engine, f"upgrade to {revision}") as conn:
+        known = current(conn)
+        if known is not None and not _knows(known):
+            raise SchemaError(
+                f"{db.safe_url(engine.url)} is at schema revision {known}, unknown to this "
+                f"brain (newest known: {head()}): upgrade dlfleet"
+            )
+        command.upgrade(alembic_config(conn), revision)
+
+
+def _knows(revision: str) -> bool:
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    with _connection(engine, f"downgrade to {revision}") as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+def migrate(url: str) -> str:
+    """Upgrade the database at `url` to head; returns the revision."""
+    engine = db.create(url)
+    try:
+        upgrade(engine)
+        return head()
+    finally:
+        engine.dispose()
+
+
+class _connection:
+    """A connection whose work is committed on success; database errors
+    become DatabaseError naming the URL (never its password)."""
+
+    def __init__(self, engine: Engine, what: str) -> None:
+        self._engine = engine
+        self._what = what
+        self._conn: Connection | None = None
+
+    def __enter__(self) -> Connection:
+        try:
+            self._conn = self._engine.connect()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(
+                f"{self._what}: cannot connect to {db.safe_url(self._engine.url)}: "
+                f"{db.describe(exc)}"
+            ) from exc
+        return self._conn
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        assert self._conn is not None
+        try:
+            if exc is None:
+                self._conn.commit()
+            else:
+                self._conn.rollback()
+        finally:
+            self._conn.close()
+        if isinstance(exc, SQLAlchemyError):
+            raise DatabaseError(
+                f"{self._what} of {db.safe_url(self._engine.url)} failed: {db.describe(exc)}"
+            ) from exc
