@@ -662,7 +662,9 @@ class KubernetesPlatform(Platform[KubeNode]):
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
         """A delete: gone already is fine, and a failure is logged, not fatal."""
         try:
-            method(*args, _request_timeout=CALL_TIMEOUT_S, **kwargs)
+            # Raw: a delete answers a Status or the object, which the
+            # client's models do not always parse.
+            method(*args, _request_timeout=CALL_TIMEOUT_S, _preload_content=False, **kwargs)
         except ApiException as exc:
             if exc.status != 404:
                 _log.warning("%s %s: %s", method.__name__, args[0], _api_message(exc))

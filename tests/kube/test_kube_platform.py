@@ -1,0 +1,311 @@
+"""The kubernetes platform end to end, on a real kube-apiserver (with the
+controller-manager and scheduler) whose Pods the test kubelet runs as local
+processes: `dlmaster --job-config` creates, watches, relaunches, scales and
+deletes worker Pods, and the exactly-once ledger holds through a killed Pod,
+an OOM kill (relaunched with more memory), an eviction, a scale-up from 2 to 3
+Pods, an API server restart, and a restarted master Pod (a Kubernetes Job)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e.ledger import assert_exactly_once, read_ledger
+from harness import JobProcess
+from kubernetes import client as k8s
+from kubetest.cluster import KubeCluster
+from kubetest.kubelet import TestKubelet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.kube, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+LEDGER_SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ledger_train.py"
+QUICKSTART = ROOT / "examples" / "quickstart"
+SIZE, BATCH, EPOCHS = 203, 4, 2
+AGENT = [sys.executable, "-u", "-m", "dlfleet.worker.agent.loop"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def kube_settings(namespace: str, kubeconfig: Path, port: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "platform": "kubernetes",
+        "master": {"host": "127.0.0.1", "port": port},
+        "kubernetes": {
+            "image": "dlfleet-train:test",  # the test kubelet runs the command here
+            "namespace": namespace,
+            "kubeconfig": str(kubeconfig),
+            "worker_command": AGENT,
+            "master_address": f"127.0.0.1:{port}",  # no cluster DNS here
+            "resources": {"requests": {"cpu": "100m", "memory": "512Mi"},
+                          "limits": {"memory": "512Mi"}},
+            "termination_grace_s": 5,
+            **extra,
+        },
+    }  # fmt: skip
+
+
+class KubeJob(JobProcess):
+    """A ledger job on the kubernetes platform."""
+
+    def __init__(
+        self, root: Path, namespace: str, kubeconfig: Path, args: list[str], **settings: Any
+    ) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.ledger = root / "ledger"
+        self.namespace = namespace
+        self.port = _free_port()
+        kube_extra = settings.pop("kube", {})
+        super().__init__(
+            root,
+            {
+                "name": "kjob",
+                "command": str(LEDGER_SCRIPT),
+                "args": ["--ledger-dir", str(self.ledger), "--size", str(SIZE),
+                         "--batch-size", str(BATCH), "--epochs", str(EPOCHS), *args],
+                "nodes": {"min": 1, "max": 3, "initial": 2},
+                "display": "plain",
+                "max_restarts": 3,
+                "max_node_relaunches": 6,
+                "relaunch_delay_s": 0.5,
+                "rendezvous": {"last_call_timeout_s": 0.5},
+                "heartbeat": {"interval_s": 0.5, "timeout_s": 10},
+                **kube_settings(namespace, kubeconfig, self.port, **kube_extra),
+                **settings,
+            },
+        )  # fmt: skip
+
+    def steps_logged(self) -> int:
+        entries, _, _ = read_ledger(self.ledger) if self.ledger.exists() else ([], [], [])
+        return len(entries)
+
+    def worlds(self) -> list[int]:
+        entries, _, _ = read_ledger(self.ledger)
+        by_attempt = {e.attempt: e.world for e in entries}
+        return [by_attempt[a] for a in sorted(by_attempt)]
+
+    def succeed(self, timeout: float = 200) -> str:
+        code, out, err = self.finish(timeout=timeout)
+        assert code == 0, f"job failed ({code}):\n{err[-5000:]}\n{out[-3000:]}"
+        return out + err
+
+    def check(self) -> Any:
+        return assert_exactly_once(self.ledger, size=SIZE, epochs=EPOCHS)
+
+
+def pods(api: Any, namespace: str) -> list[Any]:
+    return list(
+        k8s.CoreV1Api(api)
+        .list_namespaced_pod(namespace, label_selector="dlfleet.io/job=kjob,dlfleet.io/role=worker")
+        .items
+    )
+
+
+def running_pods(api: Any, namespace: str) -> dict[str, Any]:
+    return {
+        p.metadata.name: p
+        for p in pods(api, namespace)
+        if p.status.phase == "Running" and not p.metadata.deletion_timestamp
+    }
+
+
+def wait(predicate: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def api(kube_cluster: KubeCluster) -> Iterator[Any]:
+    with kube_cluster.api_client() as client:
+        yield client
+
+
+@pytest.fixture
+def make_job(tmp_path: Path, namespace: str, kube_cluster: KubeCluster) -> Iterator[Any]:
+    jobs: list[KubeJob] = []
+
+    def make(args: list[str], kubeconfig: Path | None = None, **settings: Any) -> KubeJob:
+        job = KubeJob(
+            tmp_path / f"job{len(jobs)}",
+            namespace,
+            kubeconfig or kube_cluster.kubeconfig_path,
+            args,
+            **settings,
+        )
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill()
+
+
+def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
+) -> None:
+    job = make_job(["--sleep-per-step", "0.02"]).start()
+    wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
+    for name, pod in running_pods(api, namespace).items():
+        labels = pod.metadata.labels
+        assert labels["dlfleet.io/job"] == "kjob" and labels["dlfleet.io/role"] == "worker"
+        assert name == f"kjob-node-{labels['dlfleet.io/node-index']}-0"
+        owner = pod.metadata.owner_references[0]
+        assert (owner.kind, owner.name) == ("Service", "kjob-master")  # not run from a Pod
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env["DLFLEET_TOKEN"].value_from.secret_key_ref.name == "kjob-dlfleet"
+        token = (job.root / ".dlfleet" / "kjob" / "token").read_text().strip()
+        assert token not in json.dumps(pod.to_dict(), default=str)  # only in the Secret
+    service: Any = k8s.CoreV1Api(api).read_namespaced_service("kjob-master", namespace)
+    assert service.spec.cluster_ip == "None"
+    job.succeed()
+    job.check()
+    assert job.worlds() == [2]
+    assert pods(api, namespace) == []  # every pod deleted at the end
+    with pytest.raises(k8s.exceptions.ApiException):
+        k8s.CoreV1Api(api).read_namespaced_service("kjob-master", namespace)
+
+
+def test_killed_oom_evicted_and_scaled_pods_end_with_exact_data(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
+) -> None:
+    job = make_job(["--sleep-per-step", "0.06", "--checkpoint-every", "4"]).start()
+    wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
+    job.wait_for(lambda: job.steps_logged() >= 2 * 8, "8 steps of 2 ranks")
+
+    kubelet.kill(namespace, "kjob-node-0-0")  # the process dies: exit 137
+    wait(lambda: "kjob-node-0-1" in running_pods(api, namespace), "node-0 relaunched", 60)
+
+    kubelet.oom_kill(namespace, "kjob-node-1-0")
+    relaunched = wait(
+        lambda: running_pods(api, namespace).get("kjob-node-1-1"), "node-1 relaunched", 60
+    )
+    limits = relaunched.spec.containers[0].resources.limits
+    assert limits["memory"] == "768Mi", limits  # 512Mi x 1.5 after OOMKilled
+
+    steps = job.steps_logged()
+    job.wait_for(lambda: job.steps_logged() >= steps + 2 * 6, "training after the relaunches")
+    kubelet.evict(namespace, "kjob-node-0-1", "The node was low on resource: memory.")
+    wait(lambda: "kjob-node-0-2" in running_pods(api, namespace), "evicted node replaced", 60)
+
+    assert job.control("scale", "--nodes", "3").returncode == 0
+    wait(lambda: "kjob-node-2-0" in running_pods(api, namespace), "a third pod", 60)
+    job.wait_for(lambda: 3 in job.worlds(), "a world of 3", timeout=90)
+
+    output = job.succeed(timeout=240)
+    report = job.check()
+    assert len(report.attempts) >= 3 and job.worlds()[-1] == 3  # the faults made new rounds
+    assert "ran out of memory at 512 MiB: relaunching it with 768 MiB" in output
+    assert pods(api, namespace) == []
+
+
+def test_an_api_server_restart_loses_no_pod_event(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet, kube_cluster: KubeCluster
+) -> None:
+    job = make_job(["--sleep-per-step", "0.06", "--checkpoint-every", "4"]).start()
+    wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
+    job.wait_for(lambda: job.steps_logged() >= 2 * 6, "6 steps of 2 ranks")
+    # A Pod dies while the API server is down (its kubelet reports it once the
+    # server is back): the ending reaches the platform through a watch that
+    # resumes, or lists afresh, across the restart.
+    killer = threading.Timer(0.5, kubelet.kill, (namespace, "kjob-node-1-0"))
+    killer.start()
+    kube_cluster.restart_apiserver(grace_s=0.0)  # from this thread: the cluster's owner
+    killer.join()
+    wait(lambda: "kjob-node-1-1" in running_pods(api, namespace), "node-1 relaunched", 90)
+    job.succeed()
+    job.check()
+
+
+def test_a_restarted_master_pod_continues_the_job(
+    tmp_path: Path, api: Any, namespace: str, kubelet: TestKubelet, kube_cluster: KubeCluster
+) -> None:
+    """The master as deploy/ runs it: a Kubernetes Job whose Pod reads its
+    job.yaml from a ConfigMap. Its Pod is killed mid-job; the Job controller
+    starts another, which continues from the durable store (a SQLite file on
+    a volume: a path of this machine here), adopts the worker Pods, and
+    finishes the job with exact data. The workers are owned by the Job."""
+    job = KubeJob(
+        tmp_path / "job", namespace, kube_cluster.kubeconfig_path,
+        ["--sleep-per-step", "0.06", "--checkpoint-every", "4"],
+        workdir=str(tmp_path / "work"),
+        state_store=f"sqlite:///{tmp_path / 'state.db'}",
+    )  # fmt: skip
+    job_yaml = job.config.read_text()
+    core: Any = k8s.CoreV1Api(api)  # dict bodies; fields read as Any
+    batch: Any = k8s.BatchV1Api(api)
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "kjob-config"}, "data": {"job.yaml": job_yaml}}
+    )
+    batch.create_namespaced_job(
+        namespace,
+        {
+            "metadata": {"name": "kjob-master"},
+            "spec": {
+                "backoffLimit": 4,
+                "template": {
+                    "metadata": {"labels": {"dlfleet.io/job": "kjob", "dlfleet.io/role": "master"}},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [{
+                            "name": "master",
+                            "image": "dlfleet-master:test",
+                            "command": [sys.executable, "-u", "-m", "dlfleet.master",
+                                        "--job-config", "/etc/dlfleet/job/job.yaml"],
+                            "env": [{"name": "POD_NAME",
+                                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                            "volumeMounts": [{"name": "job", "mountPath": "/etc/dlfleet/job"}],
+                        }],
+                        "volumes": [{"name": "job", "configMap": {"name": "kjob-config"}}],
+                    },
+                },
+            },
+        },
+    )  # fmt: skip
+
+    def master_pods() -> list[Any]:
+        found = core.list_namespaced_pod(namespace, label_selector="dlfleet.io/role=master")
+        return [p for p in found.items if p.status.phase == "Running"]
+
+    first = wait(master_pods, "the master pod running", 60)[0].metadata.name
+    try:
+        wait(lambda: len(running_pods(api, namespace)) == 2, "2 worker pods", 60)
+    except AssertionError:
+        raise AssertionError(kubelet.log_path(namespace, first).read_text()[-4000:]) from None
+    for pod in running_pods(api, namespace).values():
+        owner = pod.metadata.owner_references[0]
+        assert (owner.kind, owner.name) == ("Job", "kjob-master")
+    job.wait_for(lambda: job.steps_logged() >= 2 * 8, "8 steps of 2 ranks")
+    kubelet.kill(namespace, first)  # the supervisor, and the master with it
+    second = wait(
+        lambda: [p for p in master_pods() if p.metadata.name != first], "a new master pod", 60
+    )[0].metadata.name
+
+    def job_done() -> bool:
+        status = batch.read_namespaced_job_status("kjob-master", namespace).status
+        ended = {c.type for c in status.conditions or [] if c.status == "True"}
+        return bool(ended & {"Complete", "Failed"})
+
+    wait(job_done, "the master Job to finish", 240)
+    status = batch.read_namespaced_job_status("kjob-master", namespace).status
+    log = kubelet.log_path(namespace, second).read_text()
+    assert status.succeeded == 1, log[-4000:]
+    assert "adopted pod kjob-node-0-0 as node-0" in log
+    assert "adopted pod kjob-node-1-0 as node-1" in log
+    job.check()
+    assert pods(api, namespace) == []
