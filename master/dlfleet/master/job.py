@@ -50,6 +50,8 @@ import grpc
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.brain.records import PlanKind
+from dlfleet.master.brain_link import BrainLink
 from dlfleet.master.display import Display
 from dlfleet.master.jobconfig import JobConfig
 from dlfleet.master.platform import (
@@ -145,6 +147,7 @@ class JobRunner:
         self.master_up = False
         self.control: grpc.aio.Server | None = None
         self.platform: Platform[Any] | None = None
+        self.brain: BrainLink | None = None
         self._interrupted = asyncio.Event()
 
     # ------------------------------------------------------------------ run
@@ -174,6 +177,9 @@ class JobRunner:
             _log.info("job %s: master on %s, control on %s, workdir %s", config.name,
                       self.master.address, control, config.work_dir)  # fmt: skip
             self.platform = self._make_platform(token)
+            self.brain = BrainLink(config, token)
+            await asyncio.to_thread(self.brain.open)
+            self.target = await asyncio.to_thread(self.brain.initial_nodes, self.target)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._interrupted.set)
@@ -189,6 +195,7 @@ class JobRunner:
             await self._refresh()
             self._watch_master()
             self._step()
+            self._consult_brain()
             self.display.update(self.status())
             if self.result is not None:
                 break
@@ -214,6 +221,9 @@ class JobRunner:
     async def _teardown(self) -> None:
         """Stop what the run started. Nodes that outlive the runner (Pods)
         stay when it was interrupted: its successor adopts them."""
+        if self.brain is not None:
+            code = self.result.code if self.result is not None else None
+            await asyncio.to_thread(self.brain.close, None if code == 130 else code)
         interrupted = self.result is None or self.result.code == 130
         if self.platform is not None and not (interrupted and self.platform.outlives_runner):
             self.platform.shutdown(grace_s=1.0)
@@ -324,9 +334,45 @@ class JobRunner:
             else:
                 self._finish(1, "no node is left and none finished its work")
 
+    def _consult_brain(self) -> None:
+        """Report what the master sees; carry out a plan that came back (in
+        `auto` mode; in `advise` mode it is only shown)."""
+        assert self.platform is not None
+        if self.brain is None or self.result is not None:
+            return
+        self.brain.observe(self.view, self.platform.nodes)
+        memory = next((n.memory_bytes for n in self.platform.active if n.memory_bytes), None)
+        plan = self.brain.poll_plan(self.target, memory)
+        if plan is None:
+            return
+        if self.brain.mode != "auto":
+            self.brain.applied(plan, False)
+            return
+        if plan.kind is PlanKind.SCALE:
+            try:
+                self.scale(plan.target_nodes)
+            except InvalidArgument as error:
+                self.brain.applied(plan, False, f"not done: {error}")
+                return
+            self.brain.applied(plan, True)
+        elif plan.kind is PlanKind.REPLACE_NODE:
+            slow = [n for n in self.platform.active if n.name == plan.node]
+            if not slow or slow[0].state is not NodeState.RUNNING:
+                self.brain.applied(plan, False, f"not done: {plan.node} is not running")
+                return
+            self.platform.stop_node(slow[0])
+            fresh = self.platform.add_node()
+            _log.warning("brain: replacing straggler %s by %s", plan.node, fresh.name)
+            self.brain.applied(plan, True)
+        else:
+            self.brain.applied(plan, False, "kept for the next relaunch")
+
     def _on_exit(self, node: Node, code: int, reason: str = "") -> None:
         assert self.platform is not None
         how = describe_exit(code, reason)
+        if self.brain is not None and node.state is not NodeState.STOPPING and code != 0:
+            lost = bool(reason) or code < 0 or code > 128 or code == EXIT_NODE_LOST
+            self.brain.node_ended(node, code, reason, lost)
         if node.state is NodeState.STOPPING:
             node.state = NodeState.STOPPED
             _log.info("%s left as asked (%s)", node.name, how)
@@ -385,7 +431,9 @@ class JobRunner:
         if node.memory_bytes is None or self.config.kubernetes is None:
             return None
         policy = self.config.kubernetes.oom
-        grown = min(int(node.memory_bytes * policy.memory_factor), policy.memory_cap_bytes)
+        planned = self.brain.memory_after_oom(node, self.target) if self.brain else None
+        grown = planned or int(node.memory_bytes * policy.memory_factor)
+        grown = min(grown, policy.memory_cap_bytes)
         _log.warning(
             "%s ran out of memory at %d MiB: relaunching it with %d MiB",
             node.name, node.memory_bytes >> 20, grown >> 20,
@@ -455,6 +503,7 @@ class JobRunner:
             world_size=view.world_size,
             datasets=view.datasets,
             master_up=self.master_up,
+            last_plan=self.brain.last_plan if self.brain is not None else "",
         )
         if self.master is not None:
             status.master_pid = self.master.pid

@@ -24,6 +24,18 @@
     tls: {cert_file: master.crt, key_file: master.key}  # serve TLS only; nodes
                                 # verify with ca_file (default: cert_file)
     display: auto               # auto | live | plain | off
+    brain:                      # job metrics and resource plans (dlfleet.brain)
+      mode: advise              # off | advise: store metrics, show plans | auto: carry
+                                # them out (initial size, scaling, OOM memory, stragglers)
+      address: null             # host:port of a dlbrain service; default: in-process
+      db: null                  # the in-process brain's database; default
+                                # sqlite:///.dlfleet/brain.db next to this file (shared by
+                                # the jobs there: past runs seed a new run's plan)
+      token_file: null          # the dlbrain service's token; default: the job's token
+      signature: null           # "the same kind of job"; default: name + hash of command
+      plan_interval_s: 10       # how often the master asks for a plan
+      min_round_s: 60           # measuring time at a size before a scaling decision
+      grow_share: 0.5           # grow while one more node adds this share of a node
     kubernetes:                 # platform: kubernetes only
       image: registry.example.com/train:1.0   # the training image (has dlworker)
       namespace: null           # default: the master Pod's own, else "default"
@@ -225,6 +237,17 @@ class KubernetesConfig(_Strict):
         return None
 
 
+class BrainConfig(_Strict):
+    mode: Literal["off", "advise", "auto"] = "advise"
+    address: str | None = None
+    db: str | None = None
+    token_file: Path | None = None
+    signature: str | None = Field(default=None, min_length=1, max_length=200)
+    plan_interval_s: Seconds = 10.0
+    min_round_s: float = Field(default=60.0, ge=0, le=86_400)
+    grow_share: float = Field(default=0.5, ge=0.4, le=0.7)
+
+
 class JobConfig(_Strict):
     name: str
     platform: Literal["local", "kubernetes"] = "local"
@@ -248,6 +271,7 @@ class JobConfig(_Strict):
     master: MasterAddress = MasterAddress()
     tls: TlsConfig | None = None
     display: Literal["auto", "live", "plain", "off"] = "auto"
+    brain: BrainConfig = BrainConfig()
     kubernetes: KubernetesConfig | None = None
     # Where the job.yaml lies; set by `load_job_config`, not by the file.
     base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
@@ -298,6 +322,10 @@ class JobConfig(_Strict):
     @property
     def store_url(self) -> str:
         return self.state_store or f"sqlite:///{self.work_dir / 'state.db'}"
+
+    @property
+    def brain_db_url(self) -> str:
+        return self.brain.db or f"sqlite:///{self.path(Path('.dlfleet') / 'brain.db')}"
 
     @property
     def tls_ca_file(self) -> Path | None:

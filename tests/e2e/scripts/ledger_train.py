@@ -131,6 +131,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--crash-point", choices=("logged", "trained"), default="logged")
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
+    parser.add_argument("--knee", type=int, default=0, help="world size past which steps slow")
     parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
     parser.add_argument("--dataset-name", default="ledger-records")
     args = parser.parse_args()
@@ -274,7 +275,11 @@ class LedgerTrainer:
             if args.report_progress:
                 progress.step()
             if args.sleep_per_step:
-                time.sleep(args.sleep_per_step)
+                # --knee K: a shared bottleneck (a parameter server, a storage
+                # link): past K ranks a step takes longer in proportion, so
+                # the job's throughput stops growing at K.
+                slowdown = max(1.0, self.world / args.knee) if args.knee else 1.0
+                time.sleep(args.sleep_per_step * slowdown)
         if args.report_progress:
             progress.idle()  # between epochs and at the end: not a hang
         return batches
