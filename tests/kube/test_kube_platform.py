@@ -202,3 +202,27 @@ def test_a_restarted_master_pod_continues_the_job(
     assert "adopted pod kjob-node-1-0 as node-1" in log
     job.check()
     assert pods(api, namespace) == []
+
+
+def test_pods_that_can_never_be_scheduled_fail_the_job_with_the_reason(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
+) -> None:
+    job = make_job(
+        [],
+        nodes={"min": 1, "max": 2},
+        kube={
+            "resources": {"requests": {"memory": "900Gi"}, "limits": {"memory": "900Gi"}},
+            "pending_timeout_s": 4,
+        },
+    ).start()
+
+    def pending_reason() -> bool:
+        nodes = job.status()["nodes"]
+        return all("Insufficient memory" in n.get("detail", "") for n in nodes)
+
+    job.wait_for(pending_reason, "the nodes' pending reason in the status", timeout=30)
+    code, out, err = job.finish(timeout=60)
+    assert code == 1, out + err
+    assert "only 0 nodes can run, fewer than nodes.min=1" in err + out
+    assert "Insufficient memory" in err + out
+    assert pods(api, namespace) == []
