@@ -5,7 +5,8 @@ PostgreSQL on 127.0.0.1:5432, a fresh database in the MariaDB on
 see each other; within a run, each test starts from empty tables.
 
 PostgreSQL is required in CI (like the master's store tests); MariaDB is
-skipped where unreachable unless $DLFLEET_TEST_REQUIRE_MARIADB=1.
+skipped where unreachable, except in CI ($CI set) or with
+$DLFLEET_TEST_REQUIRE_MARIADB=1.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def require_mariadb() -> None:
             connect_timeout=3,
         ).close()
     except pymysql.Error as exc:
-        if os.environ.get("DLFLEET_TEST_REQUIRE_MARIADB") == "1":
+        if os.environ.get("DLFLEET_TEST_REQUIRE_MARIADB") == "1" or os.environ.get("CI"):
             pytest.fail(f"MariaDB is required and unreachable at {MARIADB_URL}: {exc}")
         pytest.skip(f"MariaDB unreachable at {MARIADB_URL}")
 
