@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kube.kube_jobs import KubeJob, pods, running_pods, wait
+from kube.kube_jobs import QUICKSTART, KubeJob, pods, running_pods, wait
 from kubernetes import client as k8s
 from kubetest.cluster import KubeCluster
 from kubetest.kubelet import TestKubelet
@@ -225,4 +226,28 @@ def test_pods_that_can_never_be_scheduled_fail_the_job_with_the_reason(
     assert code == 1, out + err
     assert "only 0 nodes can run, fewer than nodes.min=1" in err + out
     assert "Insufficient memory" in err + out
+    assert pods(api, namespace) == []
+
+
+def test_the_quickstart_runs_as_pods_through_a_deleted_pod(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
+) -> None:
+    """examples/quickstart as Pods. One worker Pod is deleted mid-run (what a
+    preemption looks like from the API): it is replaced under the same node
+    index and the job finishes."""
+    job = make_job([])
+    settings = json.loads(job.config.read_text())
+    settings["command"] = str(QUICKSTART / "train.py")
+    settings["args"] = ["--epochs", "4", "--checkpoint-every", "5"]
+    job.config.write_text(json.dumps(settings))
+    job.start()
+    wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
+    time.sleep(3)  # some steps
+    core: Any = k8s.CoreV1Api(api)
+    core.delete_namespaced_pod("kjob-node-1-0", namespace, grace_period_seconds=1)
+    wait(lambda: "kjob-node-1-1" in running_pods(api, namespace), "node-1 replaced", 60)
+    output = job.succeed()
+    assert "node-1 was lost (its pod was deleted)" in output, output[-3000:]
+    logs = [kubelet.log_path(namespace, p).read_text() for p in ("kjob-node-0-0", "kjob-node-1-1")]
+    assert any("done: 4 epochs" in log for log in logs), logs
     assert pods(api, namespace) == []
