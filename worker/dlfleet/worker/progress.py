@@ -42,9 +42,10 @@ def step(samples: int = 0) -> None:
     if now - _last[0] < MIN_INTERVAL_S:
         return
     _last[0] = now
-    try:
-        with open(path, "w") as out:
+    try:  # whole or not at all: the agent reads it at any moment
+        with open(path + ".tmp", "w") as out:
             out.write(f"{_counts[0]} {_counts[1]}\n")
+        os.replace(path + ".tmp", path)
     except OSError:
         pass  # a progress signal must never break training
 
