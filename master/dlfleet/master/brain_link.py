@@ -180,6 +180,9 @@ class BrainLink:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.api is not None:
             self.api.close()
+            if self.info is not None and not self.config.brain.address:
+                _log.info("brain report: dlbrain report %s --db %s",
+                          self.info.name, self.config.brain_db_url)  # fmt: skip
 
     # ------------------------------------------------------------- plans
 
