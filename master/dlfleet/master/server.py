@@ -34,6 +34,7 @@ from dlfleet.api.v1 import (
 )
 from dlfleet.master import wire
 from dlfleet.master.core.events import Event
+from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.membership import Membership
 from dlfleet.master.rendezvous_service import RendezvousService
 from dlfleet.master.rpc import Clock, Durable, rpc, system_clock
@@ -98,11 +99,17 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
 
     async def _lease(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
         consumer = wire.consumer_from_request(request)
-        outcome, events = self.state.book.lease(
-            request.dataset, consumer, self.clock(), request.request_id, request.done
-        )
+        if request.count > 1 and isinstance(consumer, RoundConsumer):
+            outcomes, events = self.state.book.lease_run(
+                request.dataset, consumer, request.count, self.clock(), request.done
+            )
+        else:
+            outcome, events = self.state.book.lease(
+                request.dataset, consumer, self.clock(), request.request_id, request.done
+            )
+            outcomes = [outcome]
         await self.persist(events)
-        return wire.lease_response(outcome)
+        return wire.lease_response(*outcomes)
 
     @rpc
     async def Renew(

@@ -59,26 +59,32 @@ def consumer_from_request(request: shards_pb2.LeaseRequest) -> Consumer:
     raise InvalidArgument("lease request names no consumer: set `rank` or `round`")
 
 
-def lease_response(outcome: LeaseOutcome) -> shards_pb2.LeaseResponse:
+def lease_response(outcome: LeaseOutcome, *more: LeaseOutcome) -> shards_pb2.LeaseResponse:
+    """`outcome`, and after a shard the shards of the following positions
+    (`LeaseRequest.count`)."""
     if outcome.answer is Answer.SHARD:
-        shard = outcome.shard
-        assert shard is not None
         return shards_pb2.LeaseResponse(
-            shard=shards_pb2.Shard(
-                dataset=shard.dataset,
-                epoch=shard.epoch,
-                start=shard.start,
-                end=shard.end,
-                lease_id=shard.lease_id,
-                deadline_unix_ms=shard.deadline_ms,
-                round=shard.round,
-            )
+            shard=shard_to_wire(outcome), more=[shard_to_wire(o) for o in more]
         )
     if outcome.answer is Answer.END_OF_EPOCH:
         return shards_pb2.LeaseResponse(end_of_epoch=shards_pb2.EndOfEpoch(epoch=outcome.epoch))
     if outcome.answer is Answer.END_OF_DATASET:
         return shards_pb2.LeaseResponse(end_of_dataset=shards_pb2.EndOfDataset())
     return shards_pb2.LeaseResponse(wait=shards_pb2.Wait(retry_after_ms=outcome.retry_after_ms))
+
+
+def shard_to_wire(outcome: LeaseOutcome) -> shards_pb2.Shard:
+    shard = outcome.shard
+    assert shard is not None and outcome.answer is Answer.SHARD
+    return shards_pb2.Shard(
+        dataset=shard.dataset,
+        epoch=shard.epoch,
+        start=shard.start,
+        end=shard.end,
+        lease_id=shard.lease_id,
+        deadline_unix_ms=shard.deadline_ms,
+        round=shard.round,
+    )
 
 
 def failed_to_wire(failed: FailedRange) -> shards_pb2.FailedShard:

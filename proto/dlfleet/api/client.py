@@ -61,13 +61,16 @@ def rank_lease_request(
 
 
 def round_lease_request(
-    dataset: str, round: int, position: int, done: Iterable[int]
+    dataset: str, round: int, position: int, done: Iterable[int], count: int = 1
 ) -> shards_pb2.LeaseRequest:
-    """Sync mode: position `position` of rendezvous round `round`."""
+    """Sync mode: position `position` of rendezvous round `round`, and with
+    `count` > 1 the shards of up to `count - 1` positions after it
+    (`LeaseResponse.more`)."""
     return shards_pb2.LeaseRequest(
         dataset=dataset,
         round=shards_pb2.RoundConsumer(round=round, position=position),
         done=done,
+        count=count,
     )
 
 
@@ -184,11 +187,17 @@ class MasterClient:
         return self._call("Lease", self._shards.Lease, request)
 
     def lease_for_round(
-        self, dataset: str, *, round: int, position: int, done: Iterable[int] = ()
+        self,
+        dataset: str,
+        *,
+        round: int,
+        position: int,
+        done: Iterable[int] = (),
+        count: int = 1,
     ) -> shards_pb2.LeaseResponse:
         """Sync mode: the shard at `position` of rendezvous round `round`; every
-        rank of the round gets the same answer."""
-        request = round_lease_request(dataset, round, position, done)
+        rank of the round gets the same answer. `count`: see round_lease_request."""
+        request = round_lease_request(dataset, round, position, done, count)
         return self._call("Lease", self._shards.Lease, request)
 
     def renew(
@@ -435,9 +444,15 @@ class LeaseSession:
         return self.request(rank_lease_request(dataset, node_id, rank, done, request_id))
 
     def lease_for_round(
-        self, dataset: str, *, round: int, position: int, done: Iterable[int] = ()
+        self,
+        dataset: str,
+        *,
+        round: int,
+        position: int,
+        done: Iterable[int] = (),
+        count: int = 1,
     ) -> shards_pb2.LeaseResponse:
-        return self.request(round_lease_request(dataset, round, position, done))
+        return self.request(round_lease_request(dataset, round, position, done, count))
 
     def request(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
         io = self._client._io()

@@ -194,6 +194,25 @@ def test_client_gives_up_with_a_clear_error_when_the_master_is_unreachable() -> 
         assert time.monotonic() - started < 5
 
 
+def test_a_round_lease_with_count_carries_the_following_shards_in_one_answer(
+    start_master: Callable[..., Running],
+) -> None:
+    client = start_master().client
+    client.register_dataset(spec(size=30, shard=10))
+    with client.lease_session() as session:
+        run = session.lease_for_round("data", round=1, position=0, count=4)
+        shards = [run.shard, *run.more]
+        assert [(s.start, s.end) for s in shards] == [(0, 10), (10, 20), (20, 30)]
+        # Another rank asking one position at a time hears the same shards.
+        for position, shard in enumerate(shards):
+            alone = client.lease_for_round("data", round=1, position=position)
+            assert alone.shard == shard and not alone.more
+        # Position 3 was not decided by the run: it is END_OF_EPOCH once asked.
+        done = [s.lease_id for s in shards]
+        end = session.lease_for_round("data", round=1, position=3, done=done, count=4)
+        assert end.WhichOneof("outcome") == "end_of_epoch" and not end.more
+
+
 def test_lease_stream_answers_in_order_and_survives_a_refused_request(
     start_master: Callable[..., Running],
 ) -> None:

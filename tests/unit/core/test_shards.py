@@ -23,6 +23,7 @@ from dlfleet.master.core.events import (
     ShardFailed,
 )
 from dlfleet.master.core.shards import (
+    MAX_LEASE_RUN,
     Answer,
     FailedRange,
     LeaseOutcome,
@@ -321,6 +322,42 @@ def test_all_ranks_of_a_round_see_end_of_epoch_at_same_position() -> None:
         (shard, 1, (0, 10)), (shard, 1, (10, 20)), (shard, 1, (20, 30)), (eoe, 1, None),
         (eod, 2, None),
     ]  # fmt: skip
+
+
+def test_a_run_of_positions_answers_as_single_requests_and_stops_before_end_of_epoch() -> None:
+    h = Harness(size=40, epochs=2)
+
+    def run(position: int, count: int, done: tuple[int, ...] = ()) -> list[Heard]:
+        outcomes, events = h.book.lease_run(NAME, RoundConsumer(1, position), count, 0, done)
+        h.journal += events
+        return [heard(o) for o in outcomes]
+
+    shard, eoe = Answer.SHARD, Answer.END_OF_EPOCH
+    # Rank 0 asks two positions at once, rank 1 one at a time: the same shards.
+    assert run(0, 2) == [(shard, 0, (0, 10)), (shard, 0, (10, 20))]
+    assert run(0, 1) == [(shard, 0, (0, 10))]
+    # A run may start on replays and go on with fresh positions; it stops
+    # before position 4, whose answer (END_OF_EPOCH) is decided only when asked.
+    assert run(1, 8) == [(shard, 0, (10, 20)), (shard, 0, (20, 30)), (shard, 0, (30, 40))]
+    assert h.book.datasets[NAME].next_position == 4
+    assert run(2, 8) == [(shard, 0, (20, 30)), (shard, 0, (30, 40))]
+    leases = [lease.lease_id for lease in h.book.datasets[NAME].doing.values()]
+    assert run(4, 8, done=tuple(leases)) == [(eoe, 0, None)]
+    assert run(4, 8) == [(eoe, 0, None)], "every rank hears the same at position 4"
+    assert run(5, 3) == [(shard, 1, (0, 10)), (shard, 1, (10, 20)), (shard, 1, (20, 30))]
+
+    replayed = ShardBook(h.book.settings)
+    for event in h.journal:
+        replayed.apply(Event.from_json(event.to_json()))
+    assert dump_dataset(replayed.datasets[NAME]) == h.state()
+
+
+def test_a_run_of_positions_is_bounded_and_a_refused_run_changes_nothing() -> None:
+    h = Harness(size=10_000, shard_size=10)
+    outcomes, _ = h.book.lease_run(NAME, RoundConsumer(1, 0), 1 << 31, 0)
+    assert len(outcomes) == MAX_LEASE_RUN
+    h.rejected(InvalidArgument, lambda: h.book.lease_run(NAME, RoundConsumer(1, 99), 4, 0))
+    h.rejected(StaleError, lambda: h.book.lease_run(NAME, RoundConsumer(1, 0), 4, 0, (12345,)))
 
 
 def test_stale_round_is_rejected_and_changes_nothing() -> None:

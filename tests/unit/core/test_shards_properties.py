@@ -17,6 +17,7 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    multiple,
     rule,
 )
 
@@ -152,6 +153,32 @@ class ShardBookMachine(RuleBasedStateMachine):
             assert outcome.shard is not None
             return (outcome.shard.lease_id, self.round, outcome.shard.end - outcome.shard.start)
         return (-1, 0, 0)
+
+    @rule(target=leases, count=st.integers(2, 4))
+    def lease_round_run(self, count: int) -> Any:
+        """Several positions in one request: each answers as asked alone."""
+        consumer = RoundConsumer(self.round, self.position)
+        result = self._try(lambda: self.book.lease_run(NAME, consumer, count, self.now))
+        if result is None:
+            return multiple()
+        outcomes, events = result
+        self._record(events)
+        assert 1 <= len(outcomes) <= count
+        assert all(o.answer is Answer.SHARD for o in outcomes[1:])
+        for offset, outcome in enumerate(outcomes):
+            again, more = self.book.lease(
+                NAME, RoundConsumer(self.round, self.position + offset), self.now
+            )
+            assert more == [] and again == outcome
+        if outcomes[0].answer is not Answer.WAIT:
+            self.position += len(outcomes)
+        return multiple(
+            *[
+                (o.shard.lease_id, self.round, o.shard.end - o.shard.start)
+                for o in outcomes
+                if o.shard is not None
+            ]
+        )
 
     @rule()
     def lease_round_skipping_ahead_is_rejected(self) -> None:

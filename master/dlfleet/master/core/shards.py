@@ -49,6 +49,9 @@ from dlfleet.master.core.intervals import IntervalSet, Range
 
 END_OF_EPOCH = "end_of_epoch"
 END_OF_DATASET = "end_of_dataset"
+# The most positions one `lease_run` answers: a request's work and answer stay
+# small whatever count a client sends.
+MAX_LEASE_RUN = 64
 
 
 @dataclass(frozen=True)
@@ -344,6 +347,36 @@ class ShardBook:
             )
             return LeaseOutcome(Answer.END_OF_EPOCH, epoch=ds.epoch), events
         return LeaseOutcome(Answer.WAIT, retry_after_ms=self.settings.wait_retry_ms), events
+
+    def lease_run(
+        self,
+        dataset: str,
+        consumer: RoundConsumer,
+        count: int,
+        now_ms: int,
+        done: Sequence[int] = (),
+    ) -> tuple[list[LeaseOutcome], list[Event]]:
+        """Up to `count` consecutive positions of a round at once: the answer
+        at `consumer.position` (as `lease`), then, while that is a shard, the
+        shards at the next positions. The run stops before the first position
+        whose answer would not be a shard: that one is decided only when asked
+        for alone, so no END_OF_EPOCH, WAIT or error is ever decided without
+        being delivered, and each position keeps one answer for every rank.
+        At most MAX_LEASE_RUN positions."""
+        outcome, events = self.lease(dataset, consumer, now_ms, "", done)
+        outcomes = [outcome]
+        ds = self._dataset(dataset)
+        position = consumer.position
+        while outcome.answer is Answer.SHARD and len(outcomes) < min(count, MAX_LEASE_RUN):
+            position += 1
+            following = RoundConsumer(consumer.round, position)
+            if not self._answers_shard(ds, following):
+                break
+            outcome, more = self.lease(dataset, following, now_ms)
+            assert outcome.answer is Answer.SHARD, f"position {position}: {outcome}"
+            events += more
+            outcomes.append(outcome)
+        return outcomes, events
 
     def renew(
         self, dataset: str, lease_id: int, round_: int, consumed: int, now_ms: int
@@ -674,6 +707,21 @@ class ShardBook:
                 "is no longer live"
             )
         return self._shard_outcome(ds, lease)
+
+    def _answers_shard(self, ds: DatasetState, consumer: RoundConsumer) -> bool:
+        """Whether `lease` (no request id, nothing done) would answer a shard
+        at this position, without deciding anything: `lease`'s own checks,
+        read-only. False wherever `lease` would raise."""
+        if consumer.round != ds.round or consumer.position < 0:
+            return False
+        if consumer.position < ds.next_position:
+            entry = ds.positions.get(consumer.position)
+            return entry is not None and entry[0] == "lease" and entry[1] in ds.doing
+        if consumer.position > ds.next_position:
+            return False
+        state = ds.consumers.get(consumer.key)
+        cursor = state.cursor if state is not None else ds.epoch
+        return cursor >= ds.epoch and not ds.finished and ds.has_todo()
 
     def _live_unreported(
         self, ds: DatasetState, lease_ids: Iterable[int], round_: int, now_ms: int
