@@ -131,6 +131,14 @@ def test_a_job_reports_to_a_standalone_dlbrain_service(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
+        # A service is up before the jobs that use it: the master asks for its
+        # initial plan once, at the start (a brain that is not there yet is a
+        # brain that is down, and the job goes on without that plan).
+        assert service.stdout is not None
+        said = [service.stdout.readline()]
+        while said[-1] and "listening on" not in said[-1]:
+            said.append(service.stdout.readline())
+        assert "listening on" in said[-1], "".join(said)
         job = BrainJob(
             tmp_path / "job", 603, ["--sleep-per-step", "0.03"],
             nodes={"min": 1, "max": 2},
