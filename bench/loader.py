@@ -62,10 +62,19 @@ or ends without a result fails the bench with its logs' tails; one whose
 processes crash in their teardown after rank 0 wrote its result (seen with
 gloo under either launcher, about once in 40 runs) counts, with a note.
 
+A trial during which the rest of the machine kept more than
+`--max-other-load` cores busy (0.15) measured its neighbours, not the
+systems: it is reported, set aside and run again (at most as many re-runs as
+planned trials). For that figure to be right, the bench adopts its trials'
+orphans (a forkserver and the DataLoader workers it forked outlive the rank
+that started them) and reaps them, so their CPU counts as the trial's own.
+
 The last line is `ratio: X`: dlfleet's median samples/s over torchrun's at
 the headline configuration (higher is better; the goal is >= 0.98, no slower
-than the plain loader). A full run takes 3.5-4.5 minutes on a 2-core
-machine (more when it is busy), `--quick` about 1.
+than the plain loader). Next to each ratio the bench prints the trial-by-trial
+ratios (the two systems' trials of one index ran back to back) as a check on
+it. A full run (7 trials per system and configuration) takes 5-6 minutes on a
+2-core machine (more when it is busy), `--quick` about 1.
 
 What the figures said on the 2-core machine this was written on (the master on
 the same two cores). Before leases came four to a round trip, each lease cost
@@ -101,7 +110,16 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from _common import BenchError, ServerProcess, free_port, kill_group, say, tagged_pids
+from _common import (
+    BenchError,
+    ServerProcess,
+    become_subreaper,
+    free_port,
+    kill_group,
+    reap_orphans,
+    say,
+    tagged_pids,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -179,6 +197,10 @@ class TrialRun:
         self.index = index
         self.args = args
         self.dir = root / f"{config.num_workers}w-{index:02d}-{system.name}"
+        attempt = 1
+        while self.dir.exists():  # a disturbed trial run again
+            attempt += 1
+            self.dir = root / f"{config.num_workers}w-{index:02d}-{system.name}-{attempt}"
         self.dir.mkdir(parents=True)
         self.result_path = self.dir / "result.json"
         self.tag = secrets.token_hex(8)
@@ -344,7 +366,9 @@ class TrialRun:
                 with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
+            reap_orphans()
             left = tagged_pids(TAG_ENV, self.tag)
+        reap_orphans()
         for log in self._logs:
             log.close()
         if left:
@@ -380,6 +404,26 @@ def busy_cpu_s() -> float:
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def paired(trials: list[Trial], system: System, config: Config) -> str:
+    """The ratio within each trial index (the two systems ran back to back),
+    as a check on the headline: slow drift of the machine cancels in it."""
+    by_index = {
+        (t.system, t.index): t.samples_per_s
+        for t in trials
+        if t.config == config and t.system in (system, TORCHRUN)
+    }
+    pairs = sorted(
+        by_index[system, i] / by_index[TORCHRUN, i]
+        for s, i in by_index
+        if s == system and (TORCHRUN, i) in by_index
+    )
+    if not pairs:
+        return ""
+    return (
+        f"; trial by trial: median {statistics.median(pairs):.3f}, {pairs[0]:.3f}..{pairs[-1]:.3f}"
+    )
 
 
 def describe(trial: Trial) -> str:
@@ -429,7 +473,10 @@ def report(
             if system == TORCHRUN or base is None or system.name not in medians:
                 continue
             ratios[system.name, config] = medians[system.name] / base
-            say(f"{config.label:14s} {system.name} / torchrun: {ratios[system.name, config]:.3f}")
+            say(
+                f"{config.label:14s} {system.name} / torchrun: {ratios[system.name, config]:.3f}"
+                f" (median over median){paired(trials, system, config)}"
+            )
     say(
         "(samples/s: median over the trials of timed steps x batch x ranks / seconds, timed "
         "by rank 0 inside the script; step ms: median of the trials' median step times; "
@@ -460,7 +507,7 @@ def int_list(text: str, what: str, parser: argparse.ArgumentParser) -> list[int]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--trials", type=int, default=None, help="trials per system (5)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per system (7)")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -483,9 +530,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=800, help="timed steps (800)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per trial (180)")
     parser.add_argument("--keep", action="store_true", help="keep every trial's logs")
+    parser.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.15,
+        help="run a trial again (each system, bounded) when the rest of the machine kept "
+        "more cores busy than this during it (0.15)",
+    )
     args = parser.parse_args(argv)
     if args.trials is None:
-        args.trials = 3 if args.quick else 5
+        args.trials = 3 if args.quick else 7
     if args.num_workers is None:
         args.num_workers = str(args.headline) if args.quick else "0,2"
     args.configs = [Config(n) for n in int_list(args.num_workers, "--num-workers", parser)]
@@ -514,6 +568,7 @@ def load() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    become_subreaper()  # the trials' orphans count as the trials' CPU, not the machine's
     configs: list[Config] = args.configs
     systems: list[System] = args.systems
     headline_config = Config(args.headline) if Config(args.headline) in configs else configs[0]
@@ -528,12 +583,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     trials: list[Trial] = []
+    disturbed: list[Trial] = []
+    reruns_left = args.trials * len(systems) * len(configs)
     try:
         for index in range(args.trials):
             for config in configs:
                 turn = index % len(systems)  # each system takes each place in turn
                 for system in systems[turn:] + systems[:turn]:
                     trial = run_trial(system, config, index, args, root)
+                    while (trial.other_load or 0.0) > args.max_other_load and reruns_left:
+                        say(f"  {config.label} {system.name:12s} trial {index}: "
+                            f"{describe(trial)}; DISTURBED, run again")  # fmt: skip
+                        disturbed.append(trial)
+                        reruns_left -= 1
+                        trial = run_trial(system, config, index, args, root)
                     trials.append(trial)
                     say(f"  {config.label} {system.name:12s} trial {index}: {describe(trial)}")
     except BenchError as error:
@@ -545,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted; reporting the trials done so far")
     say(f"(the bench took {time.monotonic() - started:.0f} s; load average now {load()})")
     ratios = report(trials, systems, configs)
+    if disturbed:
+        say(
+            f"({len(disturbed)} trial(s) run again: the rest of the machine kept more than "
+            f"{args.max_other_load:g} cores busy during them)"
+        )
     if not args.keep and not any(t.note for t in trials):
         shutil.rmtree(root, ignore_errors=True)
     say()

@@ -35,13 +35,15 @@ def step(samples: int = 0) -> None:
     """Tell the agent this process made a training step of `samples` records."""
     _counts[0] += 1
     _counts[1] += samples
-    path = os.environ.get(PROGRESS_ENV)
-    if not path:
-        return
+    # The clock first: this runs on every training step, and most calls
+    # write nothing (reading the environment costs more than the clock).
     now = time.monotonic()
     if now - _last[0] < MIN_INTERVAL_S:
         return
     _last[0] = now
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return
     try:  # whole or not at all: the agent reads it at any moment
         with open(path + ".tmp", "w") as out:
             out.write(f"{_counts[0]} {_counts[1]}\n")

@@ -50,7 +50,8 @@ class LeaseLedger:
                 if lease is not None and not lease.complete:
                     lease.consumed = min(lease.length, lease.consumed + count)
                     completed = completed or lease.complete
-            self._lock.notify_all()
+            # No notify: the only waiter (wait_acked) waits for acks to be
+            # confirmed, which consuming cannot bring about; this runs every step.
         return completed
 
     def take_ready(self) -> list[int]:

@@ -37,10 +37,10 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from dlfleet.api.client import MasterClient
 from dlfleet.api.errors import InvalidArgument, NotFound
@@ -209,9 +209,6 @@ class ShardedDataLoader:
 
     # ----------------------------------------------------------- internals
 
-    def indices(self, positions: Sequence[int], epoch: int) -> list[int]:
-        return self._indexer(epoch).indices(positions)
-
     def rank_slice(self, batch: GlobalBatch) -> list[int]:
         runs = batch.rank_ranges(self._rank, self._world)
         return self._indexer(batch.epoch).ranges(runs)
@@ -306,8 +303,6 @@ class _EmptySafeCollate:
         if not batch:
             return []
         if self._inner is None:
-            from torch.utils.data import default_collate
-
             return default_collate(batch)
         return self._inner(batch)
 
