@@ -26,9 +26,9 @@ loader differs:
   `ShardedDataLoader(dataset, batch_size, shuffle=True, seed=0,
   num_workers=N)`, which leases its shards from the master in sync mode, each
   lease and ack durable in SQLite before the answer, the next shards leased in
-  the background while the current one trains (4 shards per round trip, the
+  the background while the current one trains (8 shards per round trip, the
   loader's SHARDS_PER_REQUEST). The shard size is the master's
-  default (16 global batches: a round trip per 64 steps per rank) unless
+  default (16 global batches: a round trip per 128 steps per rank) unless
   `--shard-batches` lists more variants (`dlfleet-s32`: shard_size = 32 global
   batches). With N > 0 its worker processes start from a forkserver (the
   loader's own default: forking under live gRPC threads is unsafe); torch's

@@ -41,9 +41,12 @@ from dlfleet.worker.loader.ledger import LeaseLedger
 _log = logging.getLogger(__name__)
 
 # Shards per sync-mode round trip: at the master's default shard (16 global
-# batches) a round trip per 64 steps. The shards stay separate leases, acked
-# and requeued one by one, so this changes no failure's cost.
-SHARDS_PER_REQUEST = 4
+# batches) a round trip per 128 steps. Each round trip stalls the training
+# thread for a few milliseconds while this thread holds the GIL (measured:
+# 2-12 ms of rank 0's data wait at every round trip, 4 ms steps, 2 cores), so
+# fewer is better. The shards stay separate leases, acked, renewed and
+# requeued one by one, so this changes no failure's cost.
+SHARDS_PER_REQUEST = 8
 
 
 @dataclass(frozen=True)
