@@ -83,11 +83,20 @@ GIL from the training thread several times per round trip, and the master
 takes CPU): dlfleet / torchrun 0.84-1.00, about 0.95 on a quiet machine. With
 four shards per round trip (master CPU per batch 0.09 -> 0.03 ms, lease threads
 0.05 -> 0.013 ms), three quiet runs: 1.114 and 0.947 (5 trials), 0.947 (9
-trials), with single trials of either system swinging between ~13.5k and ~19k
-samples/s. What remains is on rank 0's main thread: the loader's per-batch
-Python work (cutting a rank's slice of each global batch, the lease ledger)
-is about 120-145 us against DistributedSampler's 65 us, and rank 0 waits for
-data ~19% of the wall time against ~17%.
+trials).
+
+Where rank 0's time went then, measured inside the job (per-step data waits,
+DataLoader's index and fetch times, py-spy): the loader's own bookkeeping costs
+~20 us a step more than DistributedSampler's 13 us (of a ~4 ms step); every
+lease round trip stalled the step that triggered it by 2-12 ms while the lease
+thread held the GIL (the aio stream and a unary call alike); mapping the next
+8192 positions of the permutation costs 0.5-1 ms every 128 steps. Round trips
+now carry eight shards (one per 128 steps). A run of 7 trials a system on
+2026-11-23: 0.987 (trial by trial 1.001); the same day, before that change,
+1.033 and 0.925: about 1.0, and a single run's figure moves by +-5%, because
+the machine's own speed does (rank 0's CPU time per step, the same work,
+varies from 3.4 to 4.7 ms between trials with nothing else running). Pinning
+each rank to a core did not narrow it (0.874-0.984 in three runs).
 """
 
 from __future__ import annotations
