@@ -398,7 +398,13 @@ class KubernetesPlatform(Platform[KubeNode]):
         if phase == "Succeeded":
             return 0, ""
         if phase == "Failed":
-            return _failure(pod)
+            code, reason = _failure(pod)
+            deleting = (pod.get("metadata") or {}).get("deletionTimestamp")
+            if not reason and deleting and node.state is not NodeState.STOPPING:
+                # Its container ended on the SIGTERM of a deletion we did not
+                # ask for; that status can arrive before the Pod is gone.
+                reason = REASON_DELETED
+            return code, reason
         if phase == "Running":
             if node.state is NodeState.STARTING:
                 node.state = NodeState.RUNNING
