@@ -20,11 +20,17 @@ __path__ = extend_path(__path__, __name__)
 _LAZY_EXPORTS = {
     "ShardedDataLoader": "dlfleet.worker.loader",
 }
+# name -> module that *is* it (`from dlfleet import elastic`).
+_LAZY_MODULES = {
+    "elastic": "dlfleet.worker.elastic",
+}
 
-__all__ = ["ShardedDataLoader"]
+__all__ = ["ShardedDataLoader", "elastic"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     module = _LAZY_EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dlfleet' has no attribute {name!r}")

@@ -46,6 +46,7 @@ TOKEN_ENV = "DLFLEET_TOKEN"
 JOB_ENV = "DLFLEET_JOB"
 NODE_NAME_ENV = "DLFLEET_NODE_NAME"
 STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
+SPARES_ENV = "DLFLEET_SPARES"
 
 # `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
 # an explicit integer is never capped.
@@ -173,6 +174,10 @@ class AgentConfig:
     job_name: str = "job"
     node_name: str = "localhost"
     step_timeout_s: float = 0.0  # 0: no watchdog
+    # Processes started ahead (interpreter and the script's imports done),
+    # each ready to take over a failed rank at once; only for scripts that
+    # run their training through `dlfleet.elastic.run`.
+    spares: int = 1
 
     def __post_init__(self) -> None:
         if not self.training_script:
@@ -193,6 +198,8 @@ class AgentConfig:
             raise ConfigError("--no-python", "cannot be combined with -m/--module")
         if self.step_timeout_s < 0:
             raise ConfigError("--step-timeout", f"must be >= 0 seconds, got {self.step_timeout_s}")
+        if not 0 <= self.spares <= 64:
+            raise ConfigError("--spares", f"must be in 0..64, got {self.spares}")
         for name, spec in (("--redirects", self.redirects), ("--tee", self.tee)):
             if spec.highest_rank() >= self.nproc_per_node:
                 raise ConfigError(
@@ -307,6 +314,13 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "restart the workers when a rank that has trained makes no step for this many "
             f"seconds, a hang (default off; env {STEP_TIMEOUT_ENV})"
+        ),
+    )
+    add(
+        "--spares",
+        help=(
+            "spare worker processes kept started for in-process restarts (scripts that use "
+            f"dlfleet.elastic.run; default 1; env {SPARES_ENV})"
         ),
     )
     add("training_script", help="the training script (or module, with -m), then its arguments")
@@ -476,6 +490,7 @@ def parse_args(
     job = src.get("job_name", "--job-name", JOB_ENV)
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
     step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
+    spares = src.get("spares", "--spares", SPARES_ENV)
 
     return AgentConfig(
         training_script=str(args.training_script),
@@ -497,6 +512,7 @@ def parse_args(
         job_name=job.text if job else "job",
         node_name=node.text if node else probe.hostname(),
         step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
+        spares=_int(spares, 0) if spares else 1,
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import sys
 import tempfile
@@ -41,16 +42,19 @@ from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError
-from dlfleet.api.v1 import rendezvous_pb2
+from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
+from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.metrics import NodeSampler
+from dlfleet.worker.agent.orders import WorkerOrders
 from dlfleet.worker.agent.workers import (
     GroupStatus,
     WorkerFailure,
     WorkerGroup,
     attempt_log_dir,
 )
+from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV
 from dlfleet.worker.progress import PROGRESS_ENV
 
 _log = logging.getLogger("dlworker")
@@ -60,6 +64,14 @@ NODE_ID_ENV = "DLFLEET_NODE_ID"
 TOKEN_ENV = "DLFLEET_TOKEN"
 # How long to keep trying an unreachable master before giving up, in seconds.
 CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
+# In-process restarts: how long a worker may take to leave an aborted round
+# before it is killed (and replaced), and how long after a round starts the
+# agent waits before starting a new spare (its start-up costs CPU that the
+# recovering ranks want).
+ABORT_TIMEOUT_S = 10.0
+SPARE_DELAY_S = 3.0
+# Variables that name one rank: a spare has none until it takes over a rank.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
 
 
 # ------------------------------------------------------------------ phases
@@ -142,6 +154,14 @@ class Agent:
         self.progress_dir = self.log_dir / "progress"
         self.sampler: NodeSampler | None = None
         self._sampled_at = 0.0
+        # In-process restarts: the workers' order lines, served with the
+        # checkpoint keeper; `opted_in` once every worker of a round attached.
+        self.orders = WorkerOrders()
+        self.server: AgentServer | None = None
+        self.opted_in = False
+        self._aborted_round = 0
+        self._envs: list[dict[str, str]] = []
+        self._spares_due = 0.0
 
     # ---------------------------------------------------------------- life
 
@@ -161,6 +181,7 @@ class Agent:
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
+        self.server = self._start_server()
         phase: Phase = Joining(restart_count=0)
         try:
             while not isinstance(phase, FINAL):
@@ -168,6 +189,8 @@ class Agent:
         finally:
             self._stop_workers()
             self._leave(phase)
+            self.orders.close()
+            self.server.stop()
             self.session.close()
             self.client.close()
         if isinstance(phase, Failed):
@@ -199,6 +222,20 @@ class Agent:
             _log.info("re-rendezvous: %s", phase.reason)
             return Joining(phase.restart_count)
         raise AssertionError(f"no step from {phase}")
+
+    def _start_server(self) -> AgentServer:
+        socket_path = (
+            Path(tempfile.gettempdir()) / f"dlworker-{os.getpid()}-{secrets.token_hex(3)}.sock"
+        )
+        server = AgentServer(
+            KeeperService(self.orders),
+            token=self.config.token,
+            socket_path=socket_path,
+            host=self.host,
+            threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
+        )
+        server.start()
+        return server
 
     # ------------------------------------------------------------- phases
 
@@ -235,6 +272,7 @@ class Agent:
             assignment.bootstrap_port,
         )
         attempt_dir = attempt_log_dir(self.log_dir, assignment.round)
+        assert self.server is not None
         envs = worker_environments(
             self.config,
             assignment,
@@ -242,14 +280,28 @@ class Agent:
             attempt_dir,
             self.config.master,
             agent_environ=os.environ,
-            extra={NODE_ID_ENV: self.node_id, TOKEN_ENV: self.config.token},
+            extra={
+                NODE_ID_ENV: self.node_id,
+                TOKEN_ENV: self.config.token,
+                AGENT_ENV: self.server.local_address,
+            },
         )
         self.progress_dir = attempt_dir / "progress"
         self.progress_dir.mkdir(parents=True, exist_ok=True)
         for local_rank, env in enumerate(envs):
             env[PROGRESS_ENV] = str(self.progress_dir / str(local_rank))
-        self.group = WorkerGroup()
-        self.group.start(self.config, envs, self.log_dir, assignment.round)
+        self._envs = envs
+        if self.group is not None and self.opted_in:
+            self._continue_in_process(assignment, phase.restart_count)
+        else:
+            self._stop_workers()
+            self.group = WorkerGroup()
+            self.group.start(self.config, envs, self.log_dir, assignment.round)
+            for local_rank, pid in enumerate(self.group.pids):
+                self.orders.expect(
+                    pid, self._run_order(assignment, local_rank, phase.restart_count)
+                )
+        self._spares_due = time.monotonic() + SPARE_DELAY_S
         peak = self.sampler.peak_rss if self.sampler is not None else 0
         self.sampler = NodeSampler(self.progress_dir, self.group.pids)
         self.sampler.peak_rss = peak
@@ -268,7 +320,7 @@ class Agent:
         if event is not None and event.HasField("re_rendezvous"):
             push = event.re_rendezvous
             if push.closed_round >= phase.assignment.round:
-                self._stop_workers()
+                self._end_round(phase.assignment.round, push.reason)
                 return Rejoining(push.reason, phase.restart_count)
         if self.session.closed_by_master.is_set():
             self._stop_workers()
@@ -279,14 +331,120 @@ class Agent:
             self._stop_workers()
             return Succeeded()
         if state.status is GroupStatus.FAILED:
-            self._stop_workers()
             assert state.failure is not None
+            self._end_round(phase.assignment.round, "a local worker failed")
             return Restarting(state.failure, phase.restart_count)
         hung = self._hung_rank()
         if hung is not None:
-            self._stop_workers()
+            if self.opted_in:
+                self.group.kill(hung.local_rank)
+            self._end_round(phase.assignment.round, "a local worker hung")
             return Restarting(hung, phase.restart_count)
+        self._note_opt_in()
+        self._keep_spares()
         return phase
+
+    # ------------------------------------------------- in-process restarts
+
+    def _end_round(self, round_: int, reason: str) -> None:
+        """Leave the round: abort the workers in place when the script runs
+        through `dlfleet.elastic.run`, else stop them (torchrun's contract)."""
+        if not self.opted_in:
+            self._stop_workers()
+            return
+        abort = checkpoint_pb2.WorkerOrder(
+            abort=checkpoint_pb2.AbortOrder(round=round_, reason=reason)
+        )
+        assert self.group is not None
+        for pid in self.group.pids:
+            self.orders.send(pid, abort)
+        self._aborted_round = round_
+
+    def _note_opt_in(self) -> None:
+        """Every worker of the round attached: the script restarts in place."""
+        if self.opted_in or self.group is None:
+            return
+        if all(self.orders.attached(pid) for pid in self.group.pids):
+            self.opted_in = True
+            _log.info(
+                "the workers restart in place (dlfleet.elastic); %d spare(s)", self.config.spares
+            )
+
+    def _keep_spares(self) -> None:
+        """Keep `--spares` spare processes started (once the script opted in)."""
+        if not self.opted_in or self.group is None:
+            return
+        for failure in self.group.reap_spares():
+            _log.warning("a spare process ended: %s", failure.message.strip().splitlines()[-1:])
+        if len(self.group.spare_pids) >= self.config.spares or time.monotonic() < self._spares_due:
+            return
+        env = {k: v for k, v in self._envs[0].items() if k not in _RANK_VARIABLES}
+        env[SPARE_ENV] = "1"
+        pid = self.group.start_spare(self.config, env, self.log_dir)
+        _log.info("started spare process %d", pid)
+        self._spares_due = time.monotonic() + SPARE_DELAY_S
+
+    def _run_order(
+        self, assignment: RoundAssignment, local_rank: int, restart_count: int
+    ) -> checkpoint_pb2.WorkerOrder:
+        env = self._envs[local_rank]
+        return checkpoint_pb2.WorkerOrder(
+            run=checkpoint_pb2.RunOrder(
+                round=assignment.round,
+                rank=assignment.rank_offset + local_rank,
+                local_rank=local_rank,
+                world_size=assignment.world_size,
+                local_world_size=assignment.local_world_size,
+                group_rank=assignment.group_rank,
+                group_world_size=assignment.group_world_size,
+                store_host=assignment.bootstrap_host,
+                store_port=assignment.bootstrap_port,
+                restart_count=restart_count,
+                env=env,
+            )
+        )
+
+    def _continue_in_process(self, assignment: RoundAssignment, restart_count: int) -> None:
+        """The next round with the same processes: survivors get their new
+        ranks, a dead or stuck rank is taken over by a spare (or, with none
+        ready, by a new process)."""
+        assert self.group is not None
+        group = self.group
+        stuck = self.orders.wait_left(group.pids, self._aborted_round, ABORT_TIMEOUT_S)
+        for local_rank, pid in enumerate(group.pids):
+            if pid in stuck:
+                _log.error(
+                    "local rank %d (pid %d) did not leave its round; killing it", local_rank, pid
+                )
+                group.kill(local_rank)
+        # A killed process takes a moment to be reaped.
+        deadline = time.monotonic() + 1.0
+        while any(pid in stuck and group.alive(lr) for lr, pid in enumerate(group.pids)):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        group.begin_round()
+        spares = [pid for pid in self.orders.spares() if pid in group.spare_pids]
+        for local_rank, pid in enumerate(group.pids):
+            order = self._run_order(assignment, local_rank, restart_count)
+            error_file = Path(self._envs[local_rank]["TORCHELASTIC_ERROR_FILE"])
+            if group.alive(local_rank):
+                group.set_error_file(local_rank, error_file)
+                self.orders.expect(pid, order)
+            elif spares:
+                spare = spares.pop(0)
+                group.promote(local_rank, spare, error_file)
+                self.orders.send(spare, order)
+                _log.info("spare process %d takes over local rank %d", spare, local_rank)
+            else:
+                self.orders.forget(pid)
+                new = group.replace(
+                    local_rank, self.config, self._envs[local_rank], self.log_dir, assignment.round
+                )
+                self.orders.expect(new, order)
+                _log.warning(
+                    "no spare ready: started process %d for local rank %d", new, local_rank
+                )
 
     def _sample(self) -> None:
         """Measure the workers once per heartbeat; the next beat carries it."""

@@ -272,7 +272,9 @@ class WorkerGroup:
         self._console_stdout = console_stdout
         self._console_stderr = console_stderr
         self._console_lock = threading.Lock()
-        self._workers: list[_Worker] = []
+        self._workers: list[_Worker] = []  # by local rank
+        self._spares: list[_Worker] = []  # started ahead, no rank yet (in-process restarts)
+        self._retired: list[_Worker] = []  # replaced by a spare; reaped at stop()
         self._started = False
         self._failure: WorkerFailure | None = None
         self._final: GroupState | None = None
@@ -281,6 +283,77 @@ class WorkerGroup:
     @property
     def pids(self) -> tuple[int, ...]:
         return tuple(w.proc.pid for w in self._workers)
+
+    @property
+    def spare_pids(self) -> tuple[int, ...]:
+        return tuple(w.proc.pid for w in self._spares)
+
+    # ----------------------------------------------- in-process restarts
+
+    def alive(self, local_rank: int) -> bool:
+        return self._workers[local_rank].proc.poll() is None
+
+    def start_spare(self, config: AgentConfig, env: Mapping[str, str], log_dir: Path) -> int:
+        """Start a spare process (waits in `dlfleet.elastic.run` for a rank)."""
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        command = die_with_parent(worker_command(config, python))
+        index = len(self._spares) + len(self._retired) + len(self._workers)
+        spare = self._start_one(config, command, env, log_dir / "spares" / str(index), 0)
+        self._spares.append(spare)
+        return spare.proc.pid
+
+    def reap_spares(self) -> list[WorkerFailure]:
+        """Spares that died (never trained): dropped, and described."""
+        dead = [w for w in self._spares if w.proc.poll() is not None]
+        self._spares = [w for w in self._spares if w not in dead]
+        self._retired.extend(dead)
+        return [self._describe(w) for w in dead]
+
+    def promote(self, local_rank: int, pid: int, error_file: Path | None) -> None:
+        """Spare `pid` takes over `local_rank`; the process it replaces (dead,
+        or killed as hung) is retired."""
+        spare = next(w for w in self._spares if w.proc.pid == pid)
+        self._spares.remove(spare)
+        self._retired.append(self._workers[local_rank])
+        spare.local_rank = local_rank
+        spare.error_file = error_file
+        if error_file is not None:
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            error_file.unlink(missing_ok=True)
+        self._workers[local_rank] = spare
+
+    def replace(
+        self,
+        local_rank: int,
+        config: AgentConfig,
+        env: Mapping[str, str],
+        log_dir: Path,
+        round_id: int,
+    ) -> int:
+        """A new process for `local_rank` (no spare was ready): a cold start."""
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        command = die_with_parent(worker_command(config, python))
+        rank_dir = attempt_log_dir(log_dir, round_id) / str(local_rank)
+        self._retired.append(self._workers[local_rank])
+        self._workers[local_rank] = self._start_one(config, command, env, rank_dir, local_rank)
+        return self._workers[local_rank].proc.pid
+
+    def set_error_file(self, local_rank: int, error_file: Path | None) -> None:
+        """A surviving process's error file for its next round."""
+        worker = self._workers[local_rank]
+        worker.error_file = error_file
+        if error_file is not None:
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            error_file.unlink(missing_ok=True)
+
+    def kill(self, local_rank: int) -> None:
+        """SIGKILL one worker's process group (hung, or not leaving its round)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._workers[local_rank].proc.pid, signal.SIGKILL)
+
+    def begin_round(self) -> None:
+        """The group goes on in a new round: earlier failures are history."""
+        self._failure = None
 
     def start(
         self,
@@ -446,7 +519,7 @@ class WorkerGroup:
         if self._any_alive():
             logger.warning("workers still running %.1fs after SIGTERM; sending SIGKILL", timeout_s)
             self._signal_all(signal.SIGKILL)
-        for worker in self._workers:
+        for worker in self._everyone():
             try:
                 worker.proc.wait(timeout=max(1.0, timeout_s))
             except subprocess.TimeoutExpired:
@@ -460,8 +533,11 @@ class WorkerGroup:
         self._final = GroupState(status, codes, before.failure)
         return self._final
 
+    def _everyone(self) -> list[_Worker]:
+        return [*self._workers, *self._spares, *self._retired]
+
     def _signal_all(self, sig: signal.Signals) -> None:
-        for worker in self._workers:
+        for worker in self._everyone():
             # The group outlives its leader while grandchildren live; after the
             # group is empty the call fails harmlessly.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -469,7 +545,7 @@ class WorkerGroup:
 
     def _any_alive(self) -> bool:
         orphaned: set[int] = set()  # groups whose leader is gone but which are not empty
-        for worker in self._workers:
+        for worker in self._everyone():
             if worker.proc.poll() is None:  # reaps a dead leader so its group can empty
                 return True
             try:
@@ -477,7 +553,8 @@ class WorkerGroup:
                 orphaned.add(worker.proc.pid)
             except (ProcessLookupError, PermissionError):
                 pass
-        return bool(orphaned) and _have_live_members(orphaned, set(self.pids))
+        own = {w.proc.pid for w in self._everyone()}
+        return bool(orphaned) and _have_live_members(orphaned, own)
 
 
 def _have_live_members(groups: set[int], own_children: set[int]) -> bool:

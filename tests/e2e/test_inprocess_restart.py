@@ -1,0 +1,162 @@
+"""In-process restarts end to end: real agents, real gloo groups, a real
+`dlmaster`; a script that trains through `dlfleet.elastic.run`.
+
+What must hold: a surviving rank keeps its process across the world change
+(no interpreter, import or model build again); a killed rank is taken over by
+a spare the agent started ahead; a lost node's survivors go on in place in a
+smaller world; the job still ends with every agent exiting 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import MasterProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "inprocess_steps.py"
+TOKEN = "test-token"
+
+
+class Run:
+    def __init__(self, root: Path, master: MasterProcess, nodes: str) -> None:
+        self.root, self.master, self.nodes = root, master, nodes
+        self.out = root / "out"
+        self.out.mkdir()
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def agent(self, name: str, steps: int, pause: float = 0.05) -> None:
+        argv = [
+            sys.executable, "-m", "dlfleet.worker.agent.loop",
+            "--nnodes", self.nodes, "--nproc-per-node", "1", "--max-restarts", "2",
+            "--monitor-interval", "0.1", "--master", self.master.address,
+            "--node-name", name, "--log-dir", str(self.root / "logs" / name),
+            str(SCRIPT), str(self.out), str(steps), str(pause),
+        ]  # fmt: skip
+        with (self.root / f"{name}.log").open("wb") as log:
+            self.agents[name] = subprocess.Popen(
+                argv,
+                env={**os.environ, "DLFLEET_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "lo"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def steps(self) -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = []
+        for path in sorted(self.out.glob("steps-*.jsonl")):
+            lines += [json.loads(raw) for raw in path.read_text().splitlines() if raw.strip()]
+        return lines
+
+    def wait(self, predicate: Callable[[], bool], what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {n}\n{self.log(n)[-3000:]}" for n in self.agents)
+                raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 120) -> dict[str, int]:
+        codes = {}
+        for name, proc in self.agents.items():
+            codes[name] = proc.wait(timeout)
+        return codes
+
+    def kill_all(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def run(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> Iterator[Callable[[int, int], Run]]:
+    runs: list[Run] = []
+
+    def start(min_nodes: int, max_nodes: int) -> Run:
+        store = f"sqlite:///{tmp_path / 'master.db'}"
+        master = master_process(
+            store, "--min-nodes", str(min_nodes), "--max-nodes", str(max_nodes),
+            "--last-call-timeout", "0.3",
+        )  # fmt: skip
+        runs.append(Run(tmp_path, master, f"{min_nodes}:{max_nodes}"))
+        return runs[-1]
+
+    yield start
+    for started in runs:
+        started.kill_all()
+
+
+def _spare_ready(run: Run, name: str) -> bool:
+    return "spare process" in run.log(name) and "attached as a spare" in run.log(name)
+
+
+def test_a_killed_rank_is_taken_over_by_a_spare_and_the_survivor_keeps_its_process(
+    run: Callable[[int, int], Run],
+) -> None:
+    job = run(2, 2)
+    job.agent("a", steps=60)
+    job.agent("b", steps=60)
+    job.wait(lambda: _spare_ready(job, "a") and _spare_ready(job, "b"), "spares on both nodes")
+    first = job.steps()
+    assert {line["round"] for line in first} == {1}
+    pids = {line["rank"]: line["pid"] for line in first}
+    killed_at = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+
+    job.wait(lambda: any(line["round"] > 1 for line in job.steps()), "a second round")
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.log("a"), job.log("b"))
+
+    later = [line for line in job.steps() if line["round"] > 1]
+    final_round = max(line["round"] for line in later)
+    final = {line["rank"]: line for line in later if line["round"] == final_round}
+    assert final[0]["pid"] == pids[0], "the survivor was restarted as a new process"
+    assert final[0]["index"] >= 1  # its second attempt, same process
+    assert final[1]["pid"] != pids[1]
+    assert final[1]["started"] < killed_at, "rank 1 was not taken over by a spare started ahead"
+    for rank in (0, 1):
+        steps = sorted(
+            line["step"] for line in later if line["round"] == final_round and line["rank"] == rank
+        )
+        assert steps == list(range(60))
+    assert all(line["sum"] == 2.0 for line in later)
+    assert "takes over local rank 0" in job.log("a") + job.log("b")
+
+
+def test_a_lost_node_leaves_its_peer_training_in_place_in_a_smaller_world(
+    run: Callable[[int, int], Run],
+) -> None:
+    job = run(1, 2)
+    job.agent("a", steps=80)
+    job.agent("b", steps=80)
+    job.wait(lambda: _spare_ready(job, "a"), "a spare on node a")
+    job.wait(lambda: len(job.steps()) >= 6, "training")
+    pids = {line["rank"]: line["pid"] for line in job.steps() if line["round"] == 1}
+    node_a_rank = 0 if "group rank 0" in job.log("a") else 1
+    job.agents["b"].kill()  # the agent and, by its parent-death signal, its worker
+    job.agents["b"].wait(10)
+
+    def smaller_world() -> bool:
+        return any(line["world"] == 1 for line in job.steps())
+
+    job.wait(smaller_world, "a round of world size 1")
+    assert job.agents["a"].wait(120) == 0, job.log("a")
+    alone = [line for line in job.steps() if line["world"] == 1]
+    assert {line["pid"] for line in alone} == {pids[node_a_rank]}
+    assert sorted(line["step"] for line in alone) == list(range(80))
+    assert all(line["sum"] == 1.0 for line in alone)

@@ -1,0 +1,134 @@
+"""The agent's gRPC server: the `Keeper` service, for this node's workers (on
+a Unix socket) and its peers (on TCP).
+
+Workers attach here for in-process restarts (`orders.py`) and announce their
+checkpoint images; peer agents replicate and fetch images. Every call carries
+the job token, as on the master.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from dlfleet.api.status import TOKEN_METADATA_KEY
+from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from dlfleet.worker.agent.orders import WorkerOrders
+
+_log = logging.getLogger(__name__)
+
+
+class Images(Protocol):
+    """What the agent does with checkpoint images (keeper.py)."""
+
+    def saved(self, notice: checkpoint_pb2.SavedNotice) -> checkpoint_pb2.SavedAck: ...
+
+    def receive(
+        self, pieces: Iterator[checkpoint_pb2.ImagePiece]
+    ) -> checkpoint_pb2.ReplicateAck: ...
+
+    def send(self, request: checkpoint_pb2.FetchRequest) -> Iterator[checkpoint_pb2.ImagePiece]: ...
+
+
+class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
+    def __init__(self, orders: WorkerOrders, images: Images | None = None) -> None:
+        self.orders = orders
+        self.images = images
+
+    def Attach(
+        self, request: checkpoint_pb2.AttachRequest, context: grpc.ServicerContext
+    ) -> Iterator[checkpoint_pb2.WorkerOrder]:
+        line = self.orders.open_line(request.pid, request.spare)
+        _log.info("process %d attached%s", request.pid, " as a spare" if request.spare else "")
+        # A process that dies cancels its stream: end the generator's wait.
+        context.add_callback(lambda: self.orders.close_line(line))
+        try:
+            yield from self.orders.orders_of(line)
+        finally:
+            self.orders.close_line(line)
+
+    def Report(
+        self, request: checkpoint_pb2.WorkerState, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.WorkerStateAck:
+        self.orders.report(request.pid, request.round, request.state, request.detail)
+        return checkpoint_pb2.WorkerStateAck()
+
+    def Saved(
+        self, request: checkpoint_pb2.SavedNotice, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.SavedAck:
+        if self.images is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
+        return self.images.saved(request)
+
+    def Replicate(
+        self, request_iterator: Iterator[checkpoint_pb2.ImagePiece], context: grpc.ServicerContext
+    ) -> checkpoint_pb2.ReplicateAck:
+        if self.images is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
+        return self.images.receive(request_iterator)
+
+    def Fetch(
+        self, request: checkpoint_pb2.FetchRequest, context: grpc.ServicerContext
+    ) -> Iterator[checkpoint_pb2.ImagePiece]:
+        if self.images is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
+        yield from self.images.send(request)
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._token):
+                    return continuation(handler_call_details)
+        return _DENIED
+
+
+def _deny(request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+
+
+_DENIED: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(_deny)
+
+
+class AgentServer:
+    """Serves `service` on `unix:<socket>` and on `<host>:0` (TCP)."""
+
+    def __init__(
+        self, service: KeeperService, *, token: str, socket_path: Path, host: str, threads: int
+    ) -> None:
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="keeper"),
+            interceptors=[_TokenCheck(token)],
+            options=[("grpc.so_reuseport", 0)],
+        )
+        checkpoint_pb2_grpc.add_KeeperServicer_to_server(service, self._server)
+        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        socket_path.unlink(missing_ok=True)
+        self.local_address = f"unix:{socket_path}"
+        self._server.add_insecure_port(self.local_address)
+        port = self._server.add_insecure_port(f"{host}:0")
+        self.peer_address = f"{host}:{port}"
+        self._socket_path = socket_path
+
+    def start(self) -> None:
+        self._server.start()
+        _log.info("keeper listening on %s and %s", self.local_address, self.peer_address)
+
+    def stop(self) -> None:
+        self._server.stop(grace=0.5).wait(2.0)
+        self._socket_path.unlink(missing_ok=True)
