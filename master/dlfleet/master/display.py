@@ -2,9 +2,9 @@
 
 `LiveDisplay` (a TTY): the nodes' output scrolls as usual, and a status block
 stays at the bottom, redrawn in place (round, nodes, shards done/total per
-dataset, samples/s, ETA, last failure). `PlainDisplay` (a pipe, a CI log): the
-same output lines, and the status as one plain log line every `every_s`
-seconds. Both take lines from several threads (node output readers, logging),
+dataset, samples/s, ETA, in-memory checkpoints, last failure). `PlainDisplay`
+(a pipe, a CI log): the same output lines, and the status as one plain log
+line every `every_s` seconds. Both take lines from several threads (node output readers, logging),
 so writes are serialised by a lock.
 """
 
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import TextIO
 
-from dlfleet.api.v1 import job_pb2
+from dlfleet.api.v1 import checkpoint_pb2, job_pb2
 
 
 def format_duration(seconds: float) -> str:
@@ -28,6 +28,28 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def checkpoint_line(checkpoints: checkpoint_pb2.CheckpointStatus) -> str | None:
+    """One line on the in-memory checkpoints, or None while there is none."""
+    parts = []
+    if checkpoints.restorable_step >= 0:
+        held = format_bytes(checkpoints.bytes_held)
+        parts.append(f"step {checkpoints.restorable_step} in memory ({held} held)")
+    elif checkpoints.committed_step >= 0:
+        parts.append(f"step {checkpoints.committed_step} saved, no complete copy left in memory")
+    if checkpoints.persisted_step >= 0:
+        parts.append(f"persisted step {checkpoints.persisted_step}")
+    return "checkpoints: " + ", ".join(parts) if parts else None
 
 
 def status_lines(status: job_pb2.JobStatus) -> list[str]:
@@ -59,6 +81,9 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
                 f"  {node.name}: {m.samples_per_second:.1f} samples/s | step "
                 f"{m.step_time_ms:.0f} ms | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
             )
+    checkpoints = checkpoint_line(status.checkpoints) if status.HasField("checkpoints") else None
+    if checkpoints is not None:
+        lines.append(f"  {checkpoints}")
     if status.last_plan:
         lines.append(f"  brain: {status.last_plan[:160]}")
     if status.HasField("last_failure"):

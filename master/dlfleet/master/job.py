@@ -533,6 +533,8 @@ class JobRunner:
         last = self._last_failure()
         if last is not None:
             status.last_failure.CopyFrom(last)
+        if view.HasField("checkpoints"):
+            status.checkpoints.CopyFrom(view.checkpoints)
         return status
 
     # ---------------------------------------------------------------- wiring

@@ -4,9 +4,9 @@ on the master's event loop.
 What one core decides, the others must hear: a round that forms makes the
 shard book serve that round (older rounds' leases are released); a node that
 dies or leaves is dropped from the rendezvous (closing its round) and loses its
-leases; a round that closes is pushed at once to its members' sessions, so they
-re-rendezvous instead of waiting in a collective. Everything is persisted
-before anyone is told.
+leases and the checkpoint copies it held; a round that closes is pushed at
+once to its members' sessions, so they re-rendezvous instead of waiting in a
+collective. Everything is persisted before anyone is told.
 """
 
 from __future__ import annotations
@@ -85,7 +85,16 @@ class Membership:
             self.state.nodes.forget(name)
             await self._durable(self.state.persist_node(record, gone=True))
         await self._durable(self.state.persist(self.state.book.release_node(node_id)))
+        # Before the survivors hear of it: their restore must not be sent to it.
+        await self.images_lost(node_id)
         await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()))
+
+    async def images_lost(self, node_id: str) -> None:
+        """The node's agent is gone, and the checkpoint images in its memory
+        with it."""
+        await self._durable(
+            self.state.persist_checkpoints(self.state.checkpoints.node_gone(node_id))
+        )
 
     async def run_timer(self) -> None:
         """Form rounds exactly when their last call ends, without polling."""

@@ -44,7 +44,12 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self.state.nodes.live(node_id, request.incarnation)
         rdzv = self.state.rendezvous
         events = rdzv.join(
-            node_id, request.local_world_size, request.host, request.bootstrap_port, self.clock()
+            node_id,
+            request.local_world_size,
+            request.host,
+            request.bootstrap_port,
+            self.clock(),
+            keeper_address=request.keeper_address,
         )
         await self.membership.apply(events)
         async with self.membership.changed:
@@ -128,6 +133,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             # who may still be finishing their last steps.
             self.state.nodes.forget(record.name)
             await self.durable.wait(self.state.persist_node(record, gone=True))
+            await self.membership.images_lost(record.node_id)
             await self.membership.apply(self.state.rendezvous.remove(
                 record.node_id, reason, self.clock(), close_round=False
             ))  # fmt: skip
@@ -181,4 +187,5 @@ def _join_response(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
         bootstrap_host=round_.bootstrap_host,
         bootstrap_port=round_.bootstrap_port,
         node_ids=[m.node_id for m in round_.members],
+        keeper_addresses=[m.keeper_address for m in round_.members],
     )

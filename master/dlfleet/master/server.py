@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
 from dlfleet.api.v1 import (
+    checkpoint_pb2_grpc,
     job_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
@@ -33,6 +34,7 @@ from dlfleet.api.v1 import (
     shards_pb2_grpc,
 )
 from dlfleet.master import wire
+from dlfleet.master.checkpoint_service import CheckpointsService
 from dlfleet.master.core.events import Event
 from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.membership import Membership
@@ -48,6 +50,7 @@ SERVICE_NAMES = (
     "dlfleet.api.v1.Nodes",
     "dlfleet.api.v1.Rendezvous",
     "dlfleet.api.v1.Master",
+    "dlfleet.api.v1.Checkpoints",
 )
 _HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
@@ -439,6 +442,9 @@ class MasterServer:
                 self.state, self.rendezvous.failures, self.rendezvous.metrics, self.clock
             ),
             server,
+        )
+        checkpoint_pb2_grpc.add_CheckpointsServicer_to_server(
+            CheckpointsService(self.state, durable), server
         )
         for add_service in self._extra_services:
             add_service(server)

@@ -5,11 +5,15 @@ operation returns through a group committer, and rebuilds both from the store
 when a master starts again. Journal streams: "dataset/<name>" holds shard
 events and, every `compact_every` events, a full checkpoint of the dataset (the
 store then drops the entries before it); "nodes" holds registrations;
-"rendezvous" holds joins and rounds.
+"rendezvous" holds joins and rounds; "checkpoints" holds the in-memory
+checkpoint table's events and, every `checkpoints_compact_every` events, a full
+snapshot of that table (so the stream stays short however long the job runs).
 
 Recovery = per stream: latest checkpoint, then every later entry, applied in
 order with the same `apply` the live master used. Afterwards every live lease
-and node gets a fresh timeout, so the master's own downtime expires nothing.
+and node gets a fresh timeout, so the master's own downtime expires nothing,
+and checkpoint copies on nodes the node table no longer holds are dropped (a
+node forgotten just before a crash, before its copies' loss was written).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlfleet.master.core.checkpoint_events import CheckpointEvent
+from dlfleet.master.core.checkpoints import CheckpointSettings, CheckpointTable
 from dlfleet.master.core.codec import dump_dataset, load_dataset
 from dlfleet.master.core.events import EVENT_TYPES, Event
 from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
@@ -36,6 +42,8 @@ NODES_STREAM = "nodes"
 RENDEZVOUS_STREAM = "rendezvous"
 DATASET_PREFIX = "dataset/"
 CHECKPOINT = "DatasetCheckpoint"
+CHECKPOINTS_STREAM = "checkpoints"
+CHECKPOINT_TABLE = "CheckpointTable"  # a full snapshot of the checkpoint table
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,10 @@ class MasterSettings:
     liveness: LivenessSettings = field(default_factory=LivenessSettings)
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     compact_every: int = 20_000
+    checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
+    # A checkpoint report event holds a node's copies of one step (a few
+    # hundred bytes); a snapshot holds `keep_steps` steps of every rank.
+    checkpoints_compact_every: int = 2_000
 
 
 class MasterState:
@@ -53,6 +65,7 @@ class MasterState:
         self.book = ShardBook(settings.shard)
         self.nodes = NodeTable(settings.liveness)
         self.rendezvous = Rendezvous(settings.rendezvous)
+        self.checkpoints = CheckpointTable(settings.checkpoints)
         self._store = store
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()
@@ -74,6 +87,10 @@ class MasterState:
         rearmed = state.book.rearm(now_ms)
         if rearmed:
             state.persist(rearmed).result()
+        live = [record.node_id for record in state.nodes.nodes.values()]
+        lost = state.checkpoints.nodes_gone_except(live)
+        if lost:
+            state.persist_checkpoints(lost).result()
         if streams:
             _log.info(
                 "recovered %d datasets and %d nodes from the store",
@@ -86,6 +103,12 @@ class MasterState:
         kind = data.get("t")
         if stream == RENDEZVOUS_STREAM:
             self.rendezvous.apply(RendezvousEvent.from_json(json.dumps(data)))
+            return
+        if stream == CHECKPOINTS_STREAM:
+            if kind == CHECKPOINT_TABLE:
+                self.checkpoints.install(data["state"])
+            else:
+                self.checkpoints.apply(CheckpointEvent.from_json(json.dumps(data)))
             return
         if stream == NODES_STREAM:
             if kind == "node":
@@ -133,6 +156,23 @@ class MasterState:
             entries.append((stream, event.to_json()))
             self._since_checkpoint[stream] += 1
         return self._committer.submit(entries)
+
+    def persist_checkpoints(self, events: Sequence[CheckpointEvent]) -> Future[int]:
+        """Like `persist`, for the checkpoint table's events (already applied):
+        an empty list still waits for everything queued before it."""
+        stream = CHECKPOINTS_STREAM
+        future = self._committer.submit([(stream, event.to_json()) for event in events])
+        self._since_checkpoint[stream] += len(events)
+        if self._since_checkpoint[stream] >= self.settings.checkpoints_compact_every:
+            self._since_checkpoint[stream] = 0
+            payload = json.dumps(
+                {"t": CHECKPOINT_TABLE, "state": self.checkpoints.to_dict()},
+                separators=(",", ":"),
+            )
+            self._committer.submit([(stream, payload)]).add_done_callback(
+                self._compactor(stream, payload)
+            )
+        return future
 
     def persist_node(self, record: NodeRecord, gone: bool = False) -> Future[int]:
         data = {

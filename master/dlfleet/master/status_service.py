@@ -1,6 +1,7 @@
 """The `Master` status service: what this master knows about the job (the
 active round, each dataset's progress over all epochs, the latest worker
-failures), for the job's supervisor and its display."""
+failures, the in-memory checkpoints), for the job's supervisor and its
+display."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.master import wire
 from dlfleet.master.rpc import rpc
 from dlfleet.master.state import MasterState
 
@@ -46,6 +48,7 @@ def master_status(
             )
         )
     status.failures.extend(failures)
+    status.checkpoints.CopyFrom(wire.checkpoint_status_to_wire(state.checkpoints.status()))
     return status
 
 

@@ -8,7 +8,14 @@ small.
 from __future__ import annotations
 
 from dlfleet.api.errors import InvalidArgument
-from dlfleet.api.v1 import shards_pb2
+from dlfleet.api.v1 import checkpoint_pb2, shards_pb2
+from dlfleet.master.core.checkpoint_events import ImageCopy
+from dlfleet.master.core.checkpoints import (
+    CheckpointReport,
+    CheckpointStatusView,
+    CheckpointView,
+    PersistedStep,
+)
 from dlfleet.master.core.datasets import DatasetConfig
 from dlfleet.master.core.shards import (
     Answer,
@@ -132,4 +139,65 @@ def status_to_wire(view: DatasetStatusView) -> shards_pb2.DatasetStatus:
         records_todo=view.records_todo,
         leases_active=view.leases_active,
         failed=[failed_to_wire(f) for f in view.failed],
+    )
+
+
+# ------------------------------------------------------------- checkpoints
+
+
+def checkpoint_report_from_wire(msg: checkpoint_pb2.CheckpointReport) -> CheckpointReport:
+    """A copy that names no node is held by the reporting node."""
+    copies = tuple(
+        ImageCopy(
+            rank=c.rank,
+            node_id=c.node_id or msg.node_id,
+            address=c.address,
+            replica=c.replica,
+            size=c.bytes,
+        )
+        for c in msg.copies
+    )
+    return CheckpointReport(
+        node_id=msg.node_id,
+        step=msg.step,
+        round=msg.round,
+        world_size=msg.world_size,
+        copies=copies,
+        dropped_below=msg.dropped_below,
+    )
+
+
+def image_copy_to_wire(copy: ImageCopy) -> checkpoint_pb2.ImageCopy:
+    return checkpoint_pb2.ImageCopy(
+        rank=copy.rank,
+        node_id=copy.node_id,
+        address=copy.address,
+        replica=copy.replica,
+        bytes=copy.size,
+    )
+
+
+def checkpoint_record_to_wire(view: CheckpointView | None) -> checkpoint_pb2.CheckpointRecord:
+    if view is None:
+        return checkpoint_pb2.CheckpointRecord(found=False)
+    return checkpoint_pb2.CheckpointRecord(
+        found=True,
+        step=view.step,
+        round=view.round,
+        world_size=view.world_size,
+        copies=[image_copy_to_wire(c) for c in view.copies],
+    )
+
+
+def persisted_from_wire(msg: checkpoint_pb2.PersistedReport) -> PersistedStep:
+    return PersistedStep(step=msg.step, path=msg.path, round=msg.round, world_size=msg.world_size)
+
+
+def checkpoint_status_to_wire(view: CheckpointStatusView) -> checkpoint_pb2.CheckpointStatus:
+    return checkpoint_pb2.CheckpointStatus(
+        committed_step=view.committed_step,
+        restorable_step=view.restorable_step,
+        bytes_held=view.bytes_held,
+        persisted_step=view.persisted_step,
+        persisted_path=view.persisted_path,
     )

@@ -30,6 +30,8 @@ import grpc
 from dlfleet.api.errors import InvalidArgument, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
 from dlfleet.api.v1 import (
+    checkpoint_pb2,
+    checkpoint_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
     nodes_pb2,
@@ -146,6 +148,7 @@ class MasterClient:
         self._rendezvous = rendezvous_pb2_grpc.RendezvousStub(self._channel)
         self._job = job_pb2_grpc.JobStub(self._channel)
         self._master = job_pb2_grpc.MasterStub(self._channel)
+        self._checkpoints = checkpoint_pb2_grpc.CheckpointsStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -258,15 +261,18 @@ class MasterClient:
         host: str,
         bootstrap_port: int,
         timeout_s: float = 900.0,
+        keeper_address: str = "",
     ) -> rendezvous_pb2.JoinResponse:
         """Blocks until this node is a member of a formed round. Retried across
-        a master restart (joining again is idempotent)."""
+        a master restart (joining again is idempotent). `keeper_address`: this
+        node's checkpoint Keeper (host:port), told to the round's members."""
         request = rendezvous_pb2.JoinRequest(
             node_id=node_id,
             incarnation=incarnation,
             local_world_size=local_world_size,
             host=host,
             bootstrap_port=bootstrap_port,
+            keeper_address=keeper_address,
         )
 
         def once() -> rendezvous_pb2.JoinResponse:
@@ -298,6 +304,28 @@ class MasterClient:
         """A LeaseStream session for one consumer thread: the cheapest way to
         lease shard after shard (one message each way per shard)."""
         return LeaseSession(self)
+
+    # --------------------------------------------------------- checkpoints
+
+    def report_checkpoint(
+        self, report: checkpoint_pb2.CheckpointReport
+    ) -> checkpoint_pb2.CheckpointReportResponse:
+        """The copies of one step this node holds now. Retrying is safe: a
+        repeated report changes nothing."""
+        return self._call("Report", self._checkpoints.Report, report)
+
+    def latest_checkpoint(self, before_step: int = 0) -> checkpoint_pb2.CheckpointRecord:
+        """The newest restorable step (below `before_step` when > 0);
+        `found` is false when there is none."""
+        request = checkpoint_pb2.LatestCheckpointRequest(before_step=before_step)
+        return self._call("Latest", self._checkpoints.Latest, request)
+
+    def report_persisted(self, report: checkpoint_pb2.PersistedReport) -> None:
+        self._call("Persisted", self._checkpoints.Persisted, report)
+
+    def checkpoint_status(self) -> checkpoint_pb2.CheckpointStatus:
+        request = checkpoint_pb2.CheckpointStatusRequest()
+        return self._call("Status", self._checkpoints.Status, request)
 
     # ----------------------------------------------------------------- job
 

@@ -1,6 +1,7 @@
 """Bad input at every RPC of a real in-process master: hypothesis builds
 requests field by field (empty, huge and non-ASCII strings, int64 extremes,
-unknown datasets, stale rounds, incarnations and lease ids, missing oneofs) and
+unknown datasets, stale rounds, incarnations and lease ids, missing oneofs,
+checkpoint reports of bad ranks, steps and world sizes) and
 sends raw random bytes as malformed protobuf. For every call:
 
 - the answer is OK or a status code documented for that RPC (never UNKNOWN or
@@ -37,7 +38,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.status import TOKEN_METADATA_KEY
-from dlfleet.api.v1 import nodes_pb2, rendezvous_pb2, shards_pb2
+from dlfleet.api.v1 import checkpoint_pb2, nodes_pb2, rendezvous_pb2, shards_pb2
 from dlfleet.master.core.codec import dump_dataset
 from dlfleet.master.core.datasets import DatasetConfig
 from dlfleet.master.core.liveness import LivenessSettings
@@ -301,6 +302,7 @@ def messages() -> dict[str, st.SearchStrategy[Message]]:
             local_world_size=int32s(1, 2, 1024, 1025, 0),
             host=texts("127.0.0.1"),
             bootstrap_port=int32s(0, 29500, 65535, 65536, -1),
+            keeper_address=texts("127.0.0.1:7000", ""),
         ),
         "/dlfleet.api.v1.Rendezvous/Leave": of_node(
             rendezvous_pb2.LeaveRequest,
@@ -317,7 +319,69 @@ def messages() -> dict[str, st.SearchStrategy[Message]]:
             restart_count=int32s(),
         ),
         "/dlfleet.api.v1.Rendezvous/GetState": st.just(rendezvous_pb2.RendezvousStateRequest()),
+        "/dlfleet.api.v1.Checkpoints/Report": st.one_of(
+            plausible_checkpoint_reports(),
+            of_node(
+                checkpoint_pb2.CheckpointReport,
+                step=int64s(0, 1, 5, -1),
+                round=rounds(),
+                world_size=int32s(1, 1, 2, 0, -1),
+                copies=st.lists(image_copies(), max_size=3),
+                dropped_below=int64s(0, 0, 1, -1),
+            ),
+        ),
+        "/dlfleet.api.v1.Checkpoints/Latest": st.builds(
+            checkpoint_pb2.LatestCheckpointRequest, before_step=int64s(0, 1, 6, -1)
+        ),
+        "/dlfleet.api.v1.Checkpoints/Persisted": st.builds(
+            checkpoint_pb2.PersistedReport,
+            step=int64s(0, 5, -1),
+            path=texts("/ckpt/5"),
+            round=rounds(),
+            world_size=int32s(1, 2, 0, -1),
+        ),
+        "/dlfleet.api.v1.Checkpoints/Status": st.just(checkpoint_pb2.CheckpointStatusRequest()),
     }
+
+
+@st.composite
+def plausible_checkpoint_reports(draw: st.DrawFn) -> checkpoint_pb2.CheckpointReport:
+    """Reports the master should accept (when `n`'s incarnation is live):
+    round 1, ranks within the world, sensible steps."""
+    incarnation = draw(st.integers(1, 3))
+    node_id = f"{NODE}#{incarnation}"
+    world = draw(st.integers(1, 2))
+    step = draw(st.integers(0, 6))
+    copies = [
+        checkpoint_pb2.ImageCopy(
+            rank=rank, node_id=node_id, address="127.0.0.1:7000", replica=replica, bytes=100
+        )
+        for rank, replica in draw(
+            st.sets(st.tuples(st.integers(0, world - 1), st.booleans()), max_size=3)
+        )
+    ]
+    return checkpoint_pb2.CheckpointReport(
+        node_id=node_id,
+        incarnation=incarnation,
+        step=step,
+        round=1,
+        world_size=world,
+        copies=copies,
+        dropped_below=draw(st.integers(0, step)),
+    )
+
+
+def image_copies() -> st.SearchStrategy[checkpoint_pb2.ImageCopy]:
+    """Copies of rank 0 or 1 (or out of range) on the reporter (no node id),
+    on live, stale and unknown nodes."""
+    return st.builds(
+        checkpoint_pb2.ImageCopy,
+        rank=int32s(0, 0, 1, -1),
+        node_id=st.one_of(st.just(""), node_ids()),
+        address=texts("127.0.0.1:7000", ""),
+        replica=st.booleans(),
+        bytes=int64s(0, 100, -1),
+    )
 
 
 MESSAGES = messages()
@@ -341,6 +405,10 @@ REFUSALS: dict[str, frozenset[Code]] = {
     "/dlfleet.api.v1.Rendezvous/Leave": frozenset({FP}),
     "/dlfleet.api.v1.Rendezvous/ReportFailure": frozenset({IA, FP}),
     "/dlfleet.api.v1.Rendezvous/GetState": frozenset(),
+    "/dlfleet.api.v1.Checkpoints/Report": frozenset({IA, FP}),
+    "/dlfleet.api.v1.Checkpoints/Latest": frozenset({IA}),
+    "/dlfleet.api.v1.Checkpoints/Persisted": frozenset({IA}),
+    "/dlfleet.api.v1.Checkpoints/Status": frozenset(),
 }
 STREAMS = ("/dlfleet.api.v1.Shards/LeaseStream", "/dlfleet.api.v1.Rendezvous/Session")
 assert set(REFUSALS) == set(MESSAGES)
@@ -402,6 +470,7 @@ class Master:
                 "nodes": {n: dataclasses.asdict(r) for n, r in sorted(state.nodes.nodes.items())},
                 "incarnations": dict(state.nodes._incarnations),
                 "rendezvous": dataclasses.asdict(state.rendezvous.state),
+                "checkpoints": state.checkpoints.to_dict(),
                 "failures": [f.SerializeToString() for f in server.rendezvous.failures],
                 "sessions": sorted(server.membership.sessions),
                 "journal_submissions": state.committer.submissions,

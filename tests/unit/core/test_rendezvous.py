@@ -204,6 +204,41 @@ def test_bad_joins_are_invalid_argument_and_change_nothing() -> None:
     assert dataclasses.asdict(r.state) == before
 
 
+def test_a_round_carries_each_members_keeper_address_by_group_rank() -> None:
+    r = rdzv(min_nodes=2, max_nodes=2)
+    r.join("a", 1, "host-a", 1000, 0, keeper_address="host-a:7000")
+    round_ = formed(r.join("b", 1, "host-b", 1001, 10))
+    assert round_ is not None
+    assert [(m.node_id, m.keeper_address) for m in round_.members] == [
+        ("a", "host-a:7000"),
+        ("b", ""),
+    ]
+
+
+def test_a_bad_keeper_address_is_invalid_argument() -> None:
+    r = rdzv()
+    with pytest.raises(InvalidArgument, match="keeper_address"):
+        r.join("a", 1, "h", 1000, 0, keeper_address="x" * 2000)
+    with pytest.raises(InvalidArgument, match="keeper_address"):
+        r.join("a", 1, "h", 1000, 0, keeper_address="h:1\n")
+    assert r.state.waiting == {}
+
+
+def test_journal_entries_written_before_keeper_addresses_still_replay() -> None:
+    old = [
+        '{"t":"NodeJoined","participant":{"node_id":"a","local_world_size":1,'
+        '"host":"h","port":1000,"joined_ms":0}}',
+        '{"t":"RoundFormed","round":1,"members":[{"node_id":"a","group_rank":0,'
+        '"local_world_size":1,"host":"h"}],"bootstrap_host":"h","bootstrap_port":1000,'
+        '"formed_ms":0}',
+    ]
+    r = rdzv()
+    for text in old:
+        r.apply(RendezvousEvent.from_json(text))
+    assert r.state.active is not None
+    assert r.state.active.members[0].keeper_address == ""
+
+
 class RendezvousMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()

@@ -32,6 +32,8 @@ from typing import Any
 
 from dlfleet.api.errors import InvalidArgument, StaleError
 
+MAX_KEEPER_ADDRESS = 1024
+
 
 @dataclass(frozen=True)
 class RendezvousSettings:
@@ -65,6 +67,9 @@ class Member:
     group_rank: int
     local_world_size: int
     host: str
+    # host:port of the node's checkpoint Keeper ("" if none). Defaults keep
+    # journal entries written before it existed replayable.
+    keeper_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class Participant:
     host: str
     port: int
     joined_ms: int
+    keeper_address: str = ""  # see Member
 
 
 # ------------------------------------------------------------------ events
@@ -186,7 +192,13 @@ class Rendezvous:
     # ------------------------------------------------------------ operations
 
     def join(
-        self, node_id: str, local_world_size: int, host: str, port: int, now_ms: int
+        self,
+        node_id: str,
+        local_world_size: int,
+        host: str,
+        port: int,
+        now_ms: int,
+        keeper_address: str = "",
     ) -> list[RendezvousEvent]:
         if not node_id:
             raise InvalidArgument("join needs a node id")
@@ -194,6 +206,11 @@ class Rendezvous:
             raise InvalidArgument(f"local_world_size must be in 1..1024, got {local_world_size}")
         if not 0 <= port <= 65535:
             raise InvalidArgument(f"bootstrap port must be in 0..65535, got {port}")
+        if len(keeper_address) > MAX_KEEPER_ADDRESS or not keeper_address.isprintable():
+            raise InvalidArgument(
+                f"keeper_address must be at most {MAX_KEEPER_ADDRESS} printable characters, "
+                f"got {keeper_address[:100]!r}"
+            )
         state = self.state
         events: list[RendezvousEvent] = []
         active = state.active
@@ -203,9 +220,8 @@ class Rendezvous:
             self._emit(events, RoundClosed(active.round, f"{node_id} re-joined", survivors))
         previous = state.waiting.get(node_id)
         joined_ms = previous.joined_ms if previous is not None else now_ms
-        self._emit(
-            events, NodeJoined(Participant(node_id, local_world_size, host, port, joined_ms))
-        )
+        participant = Participant(node_id, local_world_size, host, port, joined_ms, keeper_address)
+        self._emit(events, NodeJoined(participant))
         active = state.active
         if active is not None and self._could_grow(active):
             members = tuple(m.node_id for m in active.members)
@@ -359,7 +375,8 @@ class Rendezvous:
             ),
         )[:size]
         members = tuple(
-            Member(p.node_id, rank, p.local_world_size, p.host) for rank, p in enumerate(ranked)
+            Member(p.node_id, rank, p.local_world_size, p.host, p.keeper_address)
+            for rank, p in enumerate(ranked)
         )
         leader = ranked[0]
         return RoundFormed(state.last_round + 1, members, leader.host, leader.port, now_ms)

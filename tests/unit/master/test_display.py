@@ -1,0 +1,55 @@
+"""The status block shows one line on in-memory checkpoints, only once there
+is one (committed in memory, or persisted)."""
+
+from __future__ import annotations
+
+from dlfleet.api.v1 import checkpoint_pb2, job_pb2
+from dlfleet.master.display import format_bytes, status_lines
+
+
+def status(
+    *,
+    committed_step: int = -1,
+    restorable_step: int = -1,
+    bytes_held: int = 0,
+    persisted_step: int = -1,
+) -> job_pb2.JobStatus:
+    checkpoints = checkpoint_pb2.CheckpointStatus(
+        committed_step=committed_step,
+        restorable_step=restorable_step,
+        bytes_held=bytes_held,
+        persisted_step=persisted_step,
+    )
+    return job_pb2.JobStatus(job_name="j", phase="running", checkpoints=checkpoints)
+
+
+def checkpoint_lines(job: job_pb2.JobStatus) -> list[str]:
+    return [line.strip() for line in status_lines(job) if "checkpoints:" in line]
+
+
+def test_the_checkpoint_line_shows_the_step_in_memory_and_the_persisted_step() -> None:
+    job = status(committed_step=812, restorable_step=812, bytes_held=1288490189, persisted_step=800)
+    assert checkpoint_lines(job) == [
+        "checkpoints: step 812 in memory (1.2 GiB held), persisted step 800"
+    ]
+
+
+def test_a_committed_step_that_lost_its_copies_is_said_so() -> None:
+    assert checkpoint_lines(status(committed_step=9)) == [
+        "checkpoints: step 9 saved, no complete copy left in memory"
+    ]
+
+
+def test_no_checkpoint_line_without_a_checkpoint() -> None:
+    assert checkpoint_lines(status()) == []
+    assert checkpoint_lines(job_pb2.JobStatus(job_name="j", phase="running")) == []
+
+
+def test_sizes_read_in_binary_units() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1024, 5 << 20, 3 << 40)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "5.0 MiB",
+        "3.0 TiB",
+    ]
