@@ -12,10 +12,14 @@ The job: the quickstart's shape (examples/quickstart/job.yaml: nodes 1..2,
 starting 2, one process each, DDP on CPU over gloo, rendezvous last call 1 s,
 heartbeat 1 s / 10 s), running tests/e2e/scripts/ledger_train.py instead of
 the quickstart's train.py, because that script logs which records each rank
-trained at each step (its ledger, with a wall-clock stamp per step) and
-checkpoints every 5 steps; it also feeds the agent's step watchdog
-(`--report-progress`: dlfleet.worker.progress.step() after each step, which
-ShardedDataLoader's docs promise but its code does not do). Each step
+trained at each step (its ledger, with a wall-clock stamp per step). As the
+examples do, it trains through `dlfleet.elastic.run` (healthy ranks restart
+in place, spares take over dead ones) and saves every step in memory with
+`dlfleet.Checkpointer` (`--in-memory`); `--checkpoints disk` gives the old
+way instead, a torch.save file every 5 steps and cold restarts. It also
+feeds the agent's step watchdog (`--report-progress`:
+dlfleet.worker.progress.step() after each step, which ShardedDataLoader's
+docs promise but its code does not do). Each step
 sleeps `--sleep-per-step` (0.1 s) and the dataset is sized so that
 training without faults lasts about `--minutes` (2 epochs). Generous
 limits: max_restarts and max_node_relaunches 1000, relaunch_delay_s 0.5,
@@ -179,6 +183,10 @@ class Settings:
     batch: int = 4  # per rank
     epochs: int = 2
     checkpoint_every: int = 5
+    # "memory": restart in place and save every step in memory (dlfleet.elastic
+    # + Checkpointer, as the examples do); "disk": rank 0 writes a torch.save
+    # file every `checkpoint_every` steps and every restart is a cold start.
+    checkpoints: str = "memory"
     step_timeout_s: float = 5.0
     last_call_s: float = 1.0
     relaunch_delay_s: float = 0.5
@@ -525,6 +533,8 @@ class ChaosRun:
         }
         # The script feeds the step watchdog itself: ShardedDataLoader does not (yet).
         flags = ["--report-progress"]
+        if s.checkpoints == "memory":
+            flags.append("--in-memory")
         return {
             "name": JOB_NAME,
             "nodes": {"min": 1, "max": NODES},
@@ -975,6 +985,13 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         "--recover-timeout", type=float, default=180.0, help="seconds to recover a fault (180)"
     )
     parser.add_argument("--stop-at", type=float, default=0.9, help="no faults past this progress")
+    parser.add_argument(
+        "--checkpoints",
+        choices=("memory", "disk"),
+        default="memory",
+        help="memory: in-place restarts and a save every step in memory (the default); "
+        "disk: a torch.save file every 5 steps and cold restarts (before dlfleet.elastic)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep the job's files here")
     parser.add_argument("--keep", action="store_true", help="keep the job's files")
     parser.add_argument("--json", type=Path, help="also write the result as JSON here")
@@ -993,6 +1010,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
     if args.minutes <= 0 or args.sleep_per_step < 0 or args.step_timeout <= 0:
         parser.error("--minutes and --step-timeout must be positive, --sleep-per-step not negative")
     settings = Settings(
+        checkpoints=args.checkpoints,
         minutes=args.minutes,
         seed=args.seed,
         fault_every=every,

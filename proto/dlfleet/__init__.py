@@ -19,13 +19,14 @@ __path__ = extend_path(__path__, __name__)
 # name -> module that defines it; imported on first access only.
 _LAZY_EXPORTS = {
     "ShardedDataLoader": "dlfleet.worker.loader",
+    "Checkpointer": "dlfleet.worker.checkpoint.checkpointer",
 }
 # name -> module that *is* it (`from dlfleet import elastic`).
 _LAZY_MODULES = {
     "elastic": "dlfleet.worker.elastic",
 }
 
-__all__ = ["ShardedDataLoader", "elastic"]
+__all__ = ["Checkpointer", "ShardedDataLoader", "elastic"]
 
 
 def __getattr__(name: str) -> Any:

@@ -180,3 +180,124 @@ def test_a_master_crash_is_survived_by_the_nodes_with_nothing_lost(
     job.check()
     print(f"plain {plain_s:.1f}s, master down {downtime_s:.1f}s, with the crash {crashed_s:.1f}s")
     assert crashed_s <= plain_s + downtime_s + 10, (plain_s, downtime_s, crashed_s)
+
+
+# ------------------------------------------------ in-memory checkpoints
+
+
+def _restores_from_memory(report: LedgerReport) -> list[int]:
+    return [r.restored_step for r in report.restores if r.restored_step > 0]
+
+
+def test_a_worker_killed_is_restored_from_memory_in_place_exactly_once(make_job: Any) -> None:
+    """Every step saved in memory: the killed rank's spare and the surviving
+    rank go on from the last step all ranks saved; at most one step is redone."""
+    job = make_job(
+        ["--in-memory", "--crash-at-step", "17", "--crash-rank", "1", "--sleep-per-step", "0.05"]
+    )
+    job.start()
+    job.succeed()
+    report = job.check()
+    assert len(report.attempts) >= 2
+    restored = _restores_from_memory(report)
+    assert restored and min(restored) >= 15, report.restores  # not from the start, not from disk
+
+
+def test_a_rank_killed_before_saving_a_step_rolls_back_to_the_step_every_rank_saved(
+    make_job: Any,
+) -> None:
+    """Rank 1 dies after training step 25 and before saving it, while rank 0
+    saves it: step 25 is not committed, so the next round restores step 24."""
+    job = make_job(
+        [
+            "--in-memory",
+            "--crash-at-step",
+            "25",
+            "--crash-rank",
+            "1",
+            "--crash-point",
+            "unsaved",
+            "--sleep-per-step",
+            "0.05",
+        ]
+    )
+    job.start()
+    job.succeed()
+    report = job.check()
+    assert _restores_from_memory(report) == [24], report.restores
+
+
+def test_a_node_killed_leaves_its_peer_restoring_from_memory_in_a_smaller_world(
+    make_job: Any,
+) -> None:
+    """The lost node's images survive as replicas on its peer: the survivor,
+    alone, restores a recent step from memory (not from the start), and the
+    replacement node joins later; the ledger stays exact."""
+    job = make_job(
+        ["--in-memory", "--sleep-per-step", "0.15"], relaunch_delay_s=2.0, max_node_relaunches=1
+    )
+    job.start()
+    job.wait_for(lambda: job.steps_logged() >= 2 * 12, "12 steps of 2 ranks")
+    os.kill(job.node_pid("node-1"), signal.SIGKILL)
+    job.succeed()
+    worlds = job.worlds()
+    assert worlds[0] == 2 and 1 in worlds, worlds
+    report = job.check()
+    assert min(_restores_from_memory(report)) >= 10, report.restores
+
+
+def test_every_node_killed_restores_from_the_newest_persisted_step(make_job: Any) -> None:
+    """The master and every node SIGKILLed: no image is left in any memory, so
+    the job, started again, restores the newest step persisted to disk."""
+    job = make_job(["--in-memory", "--persist-every", "10", "--sleep-per-step", "0.05"])
+    job.start()
+    job.wait_for(lambda: job.steps_logged() >= 2 * 25, "25 steps of 2 ranks")
+    job.kill()  # SIGKILL: the master, and its nodes with it
+    job.start()
+    job.succeed()
+    report = job.check()
+    restored = [r.restored_step for r in report.restores if r.restored_step > 0]
+    assert restored and restored[0] % 10 == 0 and restored[0] >= 20, report.restores
+
+
+def test_a_master_killed_while_the_ranks_save_loses_no_checkpoint(make_job: Any) -> None:
+    """SIGKILL the master while every rank saves every step: saves go on (the
+    agents' reports wait for the master), and a worker killed after the master
+    is back is restored from memory, at a step saved after the crash."""
+    job = make_job(["--in-memory", "--sleep-per-step", "0.4"], max_restarts=5)
+    job.start()
+    job.wait_for(lambda: job.steps_logged() >= 2 * 12, "12 steps of 2 ranks")
+    killed_pid = int(job.status()["master_pid"])
+    os.kill(killed_pid, signal.SIGKILL)
+
+    def master_back() -> bool:
+        status = job.status()
+        return bool(status["master_up"]) and int(status["master_pid"]) != killed_pid
+
+    job.wait_for(master_back, "the master to be back", timeout=30)
+    logged = job.steps_logged()
+    job.wait_for(lambda: job.steps_logged() >= logged + 2 * 4, "4 more steps")
+    victims = [n for n in job.status()["nodes"] if n["state"] == "running"]
+    worker = _a_worker_of(victims[0]["pid"])
+    os.kill(worker, signal.SIGKILL)
+    job.succeed()
+    report = job.check()
+    restored = _restores_from_memory(report)
+    assert restored and max(restored) > 12, report.restores
+
+
+def _a_worker_of(agent_pid: int) -> int:
+    """A training process under the agent `agent_pid` (not a spare: it has a rank)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == agent_pid and any(v.startswith(b"RANK=") for v in environ):
+            return int(entry)
+    raise AssertionError(f"no worker under agent {agent_pid}")

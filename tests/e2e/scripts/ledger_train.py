@@ -63,7 +63,8 @@ restarted worker does not do it again):
 - `--crash-at-step K --crash-rank R`: global rank R SIGKILLs itself at step K,
   right after logging it (`--crash-point logged`, the default) or after the
   optimizer step and the checkpoint of that step, before asking for the next
-  batch (`--crash-point trained`).
+  batch (`--crash-point trained`), or after training it and before
+  checkpointing it (`--crash-point unsaved`).
 - `--sleep-per-step S`: a pause after each step, so a test can kill a node or
   an agent mid-epoch.
 
@@ -92,7 +93,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader
-from dlfleet.worker import progress
+from dlfleet.worker import elastic, progress
+from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 
 FEATURES = 4
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -127,9 +129,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="steps")
     parser.add_argument("--no-checkpoint", action="store_true")
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="restart in place (dlfleet.elastic.run) and checkpoint every step in memory "
+        "(dlfleet.Checkpointer), every rank",
+    )
+    parser.add_argument(
+        "--persist-every", type=int, default=0, help="--in-memory: persist every N steps"
+    )
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-rank", type=int, default=0)
-    parser.add_argument("--crash-point", choices=("logged", "trained"), default="logged")
+    parser.add_argument("--crash-point", choices=("logged", "trained", "unsaved"), default="logged")
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--knee", type=int, default=0, help="world size past which steps slow")
     parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
@@ -189,8 +200,14 @@ def crash_once(ledger_dir: Path, step: int) -> None:
 class LedgerTrainer:
     """One rank: its model, its ledger and its checkpoints."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model: nn.Module | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         self.args = args
+        self.checkpointer = checkpointer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -198,7 +215,7 @@ class LedgerTrainer:
         self.ledger = args.ledger_dir / f"ledger-a{self.attempt}-r{self.rank}.jsonl"
         self.checkpoint_path = args.checkpoint_dir / CHECKPOINT_FILE
         torch.manual_seed(args.seed)
-        self.model = DistributedDataParallel(nn.Linear(FEATURES, 1))
+        self.model = DistributedDataParallel(model or nn.Linear(FEATURES, 1))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.loader = ShardedDataLoader(
             Records(args.size),
@@ -219,7 +236,11 @@ class LedgerTrainer:
     def resume(self) -> None:
         if self.args.no_checkpoint:
             return
-        state = load_agreed_checkpoint(self.checkpoint_path)
+        if self.checkpointer is not None:
+            restored = self.checkpointer.load()
+            state = restored.state if restored is not None else None
+        else:
+            state = load_agreed_checkpoint(self.checkpoint_path)
         if state is not None:
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -232,6 +253,18 @@ class LedgerTrainer:
             self.checkpoint()  # the initial state: see the module docstring
 
     def checkpoint(self) -> None:
+        if self.checkpointer is not None:  # every rank, every step: in memory
+            self.checkpointer.save(
+                self.step,
+                {
+                    "model": self.model.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "loader": self.loader.state_dict(),
+                    "step": self.step,
+                    "epoch": self.loader.epoch,
+                },
+            )
+            return
         if self.rank == 0 and not self.args.no_checkpoint:
             state = {
                 "model": self.model.module.state_dict(),
@@ -268,7 +301,9 @@ class LedgerTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # the all-reduce: the step happens on all ranks or none
             self.optimizer.step()
-            if self.step % args.checkpoint_every == 0:
+            if crash_here and args.crash_point == "unsaved":
+                crash_once(args.ledger_dir, self.step)  # trained, not checkpointed
+            if self.checkpointer is not None or self.step % args.checkpoint_every == 0:
                 self.checkpoint()
             if crash_here and args.crash_point == "trained":
                 crash_once(args.ledger_dir, self.step)
@@ -285,12 +320,7 @@ class LedgerTrainer:
         return batches
 
 
-@record
-def main() -> None:
-    args = parse_args()
-    args.ledger_dir.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    trainer = LedgerTrainer(args)
+def train(trainer: LedgerTrainer) -> None:
     trainer.resume()
     while trainer.train_epoch():
         pass
@@ -301,6 +331,31 @@ def main() -> None:
             flush=True,
         )
     trainer.loader.close()
+
+
+def main_in_memory(args: argparse.Namespace) -> None:
+    """The model lives as long as the process; each attempt (round) wraps it
+    anew and restores it from the newest step every rank saved in memory."""
+    torch.manual_seed(args.seed)
+    model = nn.Linear(FEATURES, 1)
+    persist_dir = args.checkpoint_dir / "persisted"
+    with Checkpointer(persist_every=args.persist_every, persist_dir=persist_dir) as checkpointer:
+        elastic.run(
+            lambda attempt: train(LedgerTrainer(args, model, checkpointer)),
+            backend="gloo",
+            timeout=timedelta(seconds=60),
+        )
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    args.ledger_dir.mkdir(parents=True, exist_ok=True)
+    if args.in_memory:
+        main_in_memory(args)
+        return
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    train(LedgerTrainer(args))
     dist.destroy_process_group()
 
 

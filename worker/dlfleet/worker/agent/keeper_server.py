@@ -20,6 +20,7 @@ import grpc
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.checkpoint.errors import CheckpointError, ImageChangedError
 
 _log = logging.getLogger(__name__)
 
@@ -62,23 +63,36 @@ class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
     def Saved(
         self, request: checkpoint_pb2.SavedNotice, context: grpc.ServicerContext
     ) -> checkpoint_pb2.SavedAck:
-        if self.images is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
-        return self.images.saved(request)
+        images = self._images(context)
+        try:
+            return images.saved(request)
+        except CheckpointError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def Replicate(
         self, request_iterator: Iterator[checkpoint_pb2.ImagePiece], context: grpc.ServicerContext
     ) -> checkpoint_pb2.ReplicateAck:
-        if self.images is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
-        return self.images.receive(request_iterator)
+        images = self._images(context)
+        try:
+            return images.receive(request_iterator)
+        except CheckpointError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def Fetch(
         self, request: checkpoint_pb2.FetchRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.ImagePiece]:
+        images = self._images(context)
+        try:
+            yield from images.send(request)
+        except ImageChangedError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"overwritten while read: {exc}")
+        except CheckpointError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    def _images(self, context: grpc.ServicerContext) -> Images:
         if self.images is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
-        yield from self.images.send(request)
+        return self.images
 
 
 class _TokenCheck(grpc.ServerInterceptor):
@@ -114,7 +128,11 @@ class AgentServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="keeper"),
             interceptors=[_TokenCheck(token)],
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                # Image pieces: 2 MiB of body, plus the header in the first.
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
         )
         checkpoint_pb2_grpc.add_KeeperServicer_to_server(service, self._server)
         socket_path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
+from dlfleet.worker.agent.keeper import CHECKPOINT_DIR_ENV, ImageKeeper
 from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.orders import WorkerOrders
@@ -158,6 +159,7 @@ class Agent:
         # checkpoint keeper; `opted_in` once every worker of a round attached.
         self.orders = WorkerOrders()
         self.server: AgentServer | None = None
+        self.keeper: ImageKeeper | None = None
         self.opted_in = False
         self._aborted_round = 0
         self._envs: list[dict[str, str]] = []
@@ -181,7 +183,7 @@ class Agent:
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
-        self.server = self._start_server()
+        self.server, self.keeper = self._start_server()
         phase: Phase = Joining(restart_count=0)
         try:
             while not isinstance(phase, FINAL):
@@ -191,6 +193,7 @@ class Agent:
             self._leave(phase)
             self.orders.close()
             self.server.stop()
+            self.keeper.close()
             self.session.close()
             self.client.close()
         if isinstance(phase, Failed):
@@ -223,19 +226,28 @@ class Agent:
             return Joining(phase.restart_count)
         raise AssertionError(f"no step from {phase}")
 
-    def _start_server(self) -> AgentServer:
+    def _start_server(self) -> tuple[AgentServer, ImageKeeper]:
         socket_path = (
             Path(tempfile.gettempdir()) / f"dlworker-{os.getpid()}-{secrets.token_hex(3)}.sock"
         )
+        service = KeeperService(self.orders)
         server = AgentServer(
-            KeeperService(self.orders),
+            service,
             token=self.config.token,
             socket_path=socket_path,
             host=self.host,
             threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
         )
+        keeper = ImageKeeper.create(
+            client=self.client,
+            token=self.config.token,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            address=server.peer_address,
+        )
+        service.images = keeper
         server.start()
-        return server
+        return server, keeper
 
     # ------------------------------------------------------------- phases
 
@@ -249,6 +261,7 @@ class Agent:
                 local_world_size=self.config.nproc_per_node,
                 host=self.host,
                 bootstrap_port=free_port(self.host),
+                keeper_address=self.server.peer_address if self.server else "",
             )
         except DlfleetError as error:
             return Failed(None, f"rendezvous failed: {error}")
@@ -262,6 +275,8 @@ class Agent:
         )
         self.session.round = assignment.round
         self.rounds.append(assignment)
+        if self.keeper is not None:
+            self.keeper.set_peer(_ring_peer(list(joined.keeper_addresses), assignment.group_rank))
         _log.info(
             "round %d: group rank %d of %d, world size %d, store %s:%d",
             assignment.round,
@@ -284,6 +299,7 @@ class Agent:
                 NODE_ID_ENV: self.node_id,
                 TOKEN_ENV: self.config.token,
                 AGENT_ENV: self.server.local_address,
+                CHECKPOINT_DIR_ENV: str(self.keeper.own_dir) if self.keeper else "",
             },
         )
         self.progress_dir = attempt_dir / "progress"
@@ -428,7 +444,11 @@ class Agent:
         for local_rank, pid in enumerate(group.pids):
             order = self._run_order(assignment, local_rank, restart_count)
             error_file = Path(self._envs[local_rank]["TORCHELASTIC_ERROR_FILE"])
-            if group.alive(local_rank):
+            # A worker that finished its training as the round ended is on its
+            # way out: the new round needs a process for its rank all the same
+            # (it finds the data done and finishes too).
+            finishing = (self.orders.state(pid) or ("", 0))[0] == "finished"
+            if group.alive(local_rank) and not finishing:
                 group.set_error_file(local_rank, error_file)
                 self.orders.expect(pid, order)
             elif spares:
@@ -512,6 +532,16 @@ class Agent:
             self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
         except DlfleetError as error:
             _log.warning("could not leave the rendezvous cleanly: %s", error)
+
+
+def _ring_peer(addresses: list[str], group_rank: int) -> str | None:
+    """The next node of the round that has a Keeper: where this node's
+    checkpoint images are copied."""
+    for hop in range(1, len(addresses)):
+        candidate = addresses[(group_rank + hop) % len(addresses)]
+        if candidate:
+            return candidate
+    return None
 
 
 def _drain(events: queue.Queue[rendezvous_pb2.SessionEvent]) -> None:

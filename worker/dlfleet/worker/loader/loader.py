@@ -46,7 +46,7 @@ from dlfleet.api.client import MasterClient
 from dlfleet.api.errors import InvalidArgument, NotFound
 from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
-from dlfleet.worker import progress
+from dlfleet.worker import elastic, progress
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
 from dlfleet.worker.loader.indexing import PositionIndexer
 from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
@@ -119,6 +119,9 @@ class ShardedDataLoader:
             persistent_workers=persistent_workers,
             **dataloader_kwargs,
         )
+        # Inside `dlfleet.elastic.run`: a loader belongs to one attempt (one
+        # round); its lease thread and workers end with it.
+        elastic.on_attempt_end(self.close)
 
     # ---------------------------------------------------------------- API
 
@@ -138,6 +141,7 @@ class ShardedDataLoader:
                     break
                 stream.received()
                 progress.step(self.batch_size)  # the agent's watchdog and node metrics
+                elastic.check()  # the agent ended the round: leave between steps
                 yield batch
             stream.end_iteration()
         finally:

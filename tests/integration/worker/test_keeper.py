@@ -1,0 +1,214 @@
+"""The agent's image keeper against a real master and real Keeper servers on
+127.0.0.1: an announced image is reported and committed, copied to the peer
+node (which reports its replica), fetched back byte for byte from either
+node, and a call without the job token is refused. Images are written with
+the real ImageWriter, into the keeper's folder, as a worker does."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from harness import TOKEN, Running
+
+from dlfleet.api.client import MasterClient
+from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from dlfleet.master.core.rendezvous import RendezvousSettings
+from dlfleet.master.state import MasterSettings
+from dlfleet.worker.agent.keeper import ImageKeeper, remove_stale_folders
+from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
+from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.checkpoint import files
+from dlfleet.worker.checkpoint.image import ImageWriter
+from dlfleet.worker.checkpoint.remote import fetch_image
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = MasterSettings(
+    job_name="job",
+    rendezvous=RendezvousSettings(min_nodes=2, max_nodes=2, last_call_timeout_ms=0),
+)
+
+
+class Node:
+    def __init__(self, master: Running, name: str, root: Path) -> None:
+        reply = master.client.register_node(job_name="job", node_name=name, local_world_size=1)
+        self.node_id, self.incarnation = reply.node_id, reply.incarnation
+        self.client = MasterClient(master.address, token=TOKEN, timeout_s=5)
+        self.service = KeeperService(WorkerOrders())
+        self.server = AgentServer(
+            self.service,
+            token=TOKEN,
+            socket_path=root / f"{name}.sock",
+            host="127.0.0.1",
+            threads=8,
+        )
+        self.keeper = ImageKeeper(
+            root / name,
+            client=self.client,
+            token=TOKEN,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            address=self.server.peer_address,
+        )
+        self.service.images = self.keeper
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.keeper.close()
+        self.client.close()
+
+
+@pytest.fixture
+def nodes(
+    start_master: Callable[..., Running], tmp_path: Path
+) -> Iterator[tuple[Running, Node, Node]]:
+    master = start_master(SETTINGS)
+    a, b = Node(master, "a", tmp_path), Node(master, "b", tmp_path)
+    joined: dict[str, int] = {}
+
+    def join(node: Node) -> None:
+        reply = master.client.join_rendezvous(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            local_world_size=1,
+            host="127.0.0.1",
+            bootstrap_port=29500,
+            timeout_s=10,
+            keeper_address=node.server.peer_address,
+        )
+        joined[node.node_id] = reply.group_rank
+
+    import threading
+
+    threads = [threading.Thread(target=join, args=(n,)) for n in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert len(joined) == 2
+    a.keeper.set_peer(b.server.peer_address)
+    b.keeper.set_peer(a.server.peer_address)
+    yield master, a, b
+    a.close()
+    b.close()
+
+
+def save(node: Node, rank: int, step: int) -> checkpoint_pb2.SavedAck:
+    writer = ImageWriter(node.keeper.own_dir, rank)
+    state = {"w": torch.full((256, 256), float(step)), "step": step}
+    image = writer.write(step, state, round=1, world_size=2, protect=None)
+    writer.close()
+    notice = checkpoint_pb2.SavedNotice(
+        rank=rank,
+        step=step,
+        round=1,
+        world_size=2,
+        path=str(image.header_path),
+        bytes=image.nbytes,
+    )
+    return node.keeper.saved(notice)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_an_image_of_every_rank_commits_the_step_and_is_replicated_to_the_peer(
+    nodes: tuple[Running, Node, Node],
+) -> None:
+    master, a, b = nodes
+    first = save(a, 0, 3)
+    assert first.committed_step < 3  # rank 1 has not saved step 3 yet
+    second = save(b, 1, 3)
+    assert second.committed_step == 3
+
+    def replicated() -> bool:
+        record = master.client.latest_checkpoint()
+        return record.found and len(record.copies) == 4
+
+    wait_for(replicated, "both images replicated")
+    record = master.client.latest_checkpoint()
+    assert record.step == 3 and record.world_size == 2
+    holders = {(c.rank, c.node_id, c.replica) for c in record.copies}
+    assert holders == {
+        (0, a.node_id, False),
+        (0, b.node_id, True),
+        (1, b.node_id, False),
+        (1, a.node_id, True),
+    }
+    assert b.keeper.find(3, 0) is not None and a.keeper.find(3, 1) is not None
+
+
+def test_an_image_fetched_from_the_peer_is_the_saved_image_byte_for_byte(
+    nodes: tuple[Running, Node, Node],
+) -> None:
+    _, a, b = nodes
+    save(a, 0, 5)
+    save(b, 1, 5)
+    wait_for(lambda: b.keeper.find(5, 0) is not None, "rank 0's replica on b")
+    own = a.keeper.find(5, 0)
+    assert own is not None
+    expected = files.read_image_bytes(own)
+    header, body = fetch_image(b.server.peer_address, TOKEN, 5, 0)
+    assert body == expected[1]
+    assert files.decode_header(header).step == 5
+    from_origin = fetch_image(a.server.peer_address, TOKEN, 5, 0)
+    assert from_origin[1] == expected[1]
+
+
+def test_a_fetch_of_an_image_nobody_holds_is_not_found(nodes: tuple[Running, Node, Node]) -> None:
+    _, a, _ = nodes
+    with grpc.insecure_channel(a.server.peer_address) as channel:
+        stub = checkpoint_pb2_grpc.KeeperStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(
+                stub.Fetch(
+                    checkpoint_pb2.FetchRequest(step=99, rank=0),
+                    metadata=(("x-dlfleet-token", TOKEN),),
+                    timeout=5,
+                )
+            )
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_a_keeper_call_without_the_job_token_is_refused(nodes: tuple[Running, Node, Node]) -> None:
+    _, a, _ = nodes
+    with grpc.insecure_channel(a.server.peer_address) as channel:
+        stub = checkpoint_pb2_grpc.KeeperStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Saved(checkpoint_pb2.SavedNotice(), metadata=(("x-dlfleet-token", "no"),))
+    assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_an_announced_file_outside_the_keepers_folder_is_refused(
+    nodes: tuple[Running, Node, Node], tmp_path: Path
+) -> None:
+    _, a, _ = nodes
+    with grpc.insecure_channel(a.server.peer_address) as channel:
+        stub = checkpoint_pb2_grpc.KeeperStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Saved(
+                checkpoint_pb2.SavedNotice(path=str(tmp_path / "elsewhere.header")),
+                metadata=(("x-dlfleet-token", TOKEN),),
+            )
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_folders_of_dead_agents_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    dead = tmp_path / "dlworker-999999999-abcdef"
+    alive = tmp_path / f"dlworker-{os.getpid()}-abcdef"
+    other = tmp_path / "not-ours"
+    for folder in (dead, alive, other):
+        folder.mkdir()
+    assert remove_stale_folders(tmp_path) == [dead]
+    assert alive.exists() and other.exists() and not dead.exists()

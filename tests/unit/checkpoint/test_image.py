@@ -1,0 +1,263 @@
+"""Images of one rank's state: the writer's slots, the header, and both sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from unit.checkpoint.states import training_state
+
+from dlfleet.worker.checkpoint import files, image
+from dlfleet.worker.checkpoint.errors import (
+    CheckpointError,
+    ImageChangedError,
+    ImageFormatError,
+    SlotError,
+)
+from dlfleet.worker.checkpoint.files import ItemKind
+from dlfleet.worker.checkpoint.image import BytesImage, ImageWriter, LocalImage
+
+
+def read_tensor(source: image.ImageSource, fqn: str) -> torch.Tensor:
+    (item,) = [i for i in source.header.items if i.fqn == fqn]
+    return source.tensor(item)
+
+
+def test_an_image_holds_every_item_of_a_nested_state_at_aligned_offsets(tmp_path: Path) -> None:
+    state = training_state(0)
+    with ImageWriter(tmp_path, rank=0) as writer:
+        saved = writer.write(5, state, round=2, world_size=1, protect=None)
+    header = files.read_header(saved.header_path)
+    kinds = {item.fqn: item.kind for item in header.items}
+    assert kinds["model.0.weight"] is ItemKind.TENSOR
+    assert kinds["optim.state.0.exp_avg"] is ItemKind.TENSOR
+    assert kinds["rng.torch"] is ItemKind.TENSOR
+    assert kinds["loader.epoch"] is ItemKind.BYTES
+    assert kinds["rng.python"] is ItemKind.BYTES
+    assert header.paths["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+    assert all(item.offset % files.ALIGNMENT == 0 for item in header.items)
+    assert (header.step, header.rank, header.world_size, header.round) == (5, 0, 1, 2)
+    assert saved.nbytes == header.body_nbytes <= saved.body_path.stat().st_size
+
+
+def test_a_local_image_views_equal_the_saved_tensors_without_copying(tmp_path: Path) -> None:
+    state = training_state(0)
+    with ImageWriter(tmp_path, rank=0) as writer:
+        saved = writer.write(1, state, round=0, world_size=1, protect=None)
+    source = LocalImage(saved.header_path)
+    weight = read_tensor(source, "model.2.weight")
+    assert torch.equal(weight, state["model"]["2.weight"])
+    assert torch.equal(
+        read_tensor(source, "optim.state.1.exp_avg_sq"), state["optim"]["state"][1]["exp_avg_sq"]
+    )
+    assert weight.data_ptr() == read_tensor(source, "model.2.weight").data_ptr()
+
+
+def test_shipped_header_and_body_bytes_make_the_same_image(tmp_path: Path) -> None:
+    state = training_state(1)
+    with ImageWriter(tmp_path, rank=0) as writer:
+        saved = writer.write(1, state, round=0, world_size=1, protect=None)
+    header, body = files.read_image_bytes(saved.header_path)
+    shipped = BytesImage(header, body)
+    assert not shipped.local and LocalImage(saved.header_path).local
+    assert shipped.header == files.read_header(saved.header_path)
+    assert torch.equal(read_tensor(shipped, "model.0.bias"), state["model"]["0.bias"])
+    # A body at an odd address (inside a larger network buffer) still gives aligned views.
+    odd = BytesImage(header, memoryview(b"x" + body)[1:])
+    assert torch.equal(read_tensor(odd, "model.0.bias"), state["model"]["0.bias"])
+
+
+def test_the_header_encoding_round_trips(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0) as writer:
+        saved = writer.write(3, training_state(0), round=1, world_size=1, protect=None)
+    header = files.read_header(saved.header_path)
+    assert files.decode_header(files.encode_header(header)) == header
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"not json", b"[]", b'{"format": "other/1"}', b'{"format": "dlfleet-image/1"}']
+)
+def test_a_foreign_or_malformed_header_is_rejected(data: bytes) -> None:
+    with pytest.raises(ImageFormatError):
+        files.decode_header(data)
+
+
+def test_a_body_that_is_short_foreign_or_corrupt_is_rejected(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, checksum=True) as writer:
+        saved = writer.write(3, training_state(0), round=1, world_size=1, protect=None)
+    header, body = files.read_image_bytes(saved.header_path)
+    with pytest.raises(ImageFormatError, match="bytes"):
+        BytesImage(header, body[:-1])
+    with pytest.raises(ImageFormatError, match="another image"):
+        BytesImage(header, b"\0" * len(body))
+    flipped = bytearray(body)
+    flipped[-1] ^= 0xFF
+    with pytest.raises(ImageFormatError, match="checksum"):
+        BytesImage(header, flipped)
+
+
+def test_the_protected_step_is_never_overwritten(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, slots=2) as writer:
+        writer.write(1, {"x": torch.full((4,), 1.0)}, round=0, world_size=1, protect=None)
+        writer.write(2, {"x": torch.full((4,), 2.0)}, round=0, world_size=1, protect=1)
+        writer.write(3, {"x": torch.full((4,), 3.0)}, round=0, world_size=1, protect=1)
+        assert [f.step for f in writer.images()] == [1, 3]
+        writer.write(4, {"x": torch.full((4,), 4.0)}, round=0, world_size=1, protect=3)
+        held = {f.step: f for f in writer.images()}
+    assert sorted(held) == [3, 4]
+    assert torch.equal(read_tensor(LocalImage(held[3].header_path), "x"), torch.full((4,), 3.0))
+
+
+def test_saving_when_every_slot_holds_the_protected_step_is_refused(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, slots=1) as writer:
+        writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        with pytest.raises(SlotError, match="more slots"):
+            writer.write(2, {"x": torch.ones(2)}, round=0, world_size=1, protect=1)
+
+
+def test_saving_the_protected_step_again_is_refused(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0) as writer:
+        writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        with pytest.raises(SlotError, match="protected"):
+            writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=1)
+
+
+def test_the_old_header_is_gone_before_the_body_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[int]] = []
+    real_copy = image._copy_items
+
+    def copy_and_look(body: torch.Tensor, planned: list[Any]) -> None:
+        seen.append([i.header.step for i in files.list_images(tmp_path)])
+        real_copy(body, planned)
+
+    monkeypatch.setattr(image, "_copy_items", copy_and_look)
+    with ImageWriter(tmp_path, rank=0) as writer:
+        for step in range(1, 5):
+            writer.write(step, {"x": torch.ones(2)}, round=0, world_size=1, protect=step - 1)
+    # While step 3 is copied, only step 2 (protected) is visible, not step 1 of the reused slot.
+    assert seen == [[], [1], [2], [3]]
+
+
+def test_a_save_that_fails_midway_leaves_no_half_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_copy(body: torch.Tensor, planned: list[Any]) -> None:
+        body[files.PREAMBLE_BYTES :].fill_(0xAB)
+        raise OSError("device lost")
+
+    with ImageWriter(tmp_path, rank=0) as writer:
+        writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        writer.write(2, {"x": torch.ones(2)}, round=0, world_size=1, protect=1)
+        monkeypatch.setattr(image, "_copy_items", broken_copy)
+        with pytest.raises(OSError, match="device lost"):
+            writer.write(3, {"x": torch.ones(2)}, round=0, world_size=1, protect=2)
+    assert [i.header.step for i in files.list_images(tmp_path)] == [2]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_value_that_cannot_be_saved_leaves_every_image_intact(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0) as writer:
+        writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        writer.write(2, {"x": torch.ones(2)}, round=0, world_size=1, protect=1)
+        with pytest.raises(Exception, match="pickle"):
+            writer.write(3, {"x": lambda: 0}, round=0, world_size=1, protect=2)
+    assert [i.header.step for i in files.list_images(tmp_path)] == [1, 2]
+
+
+def test_a_save_of_unchanged_size_reuses_its_slot_file(tmp_path: Path) -> None:
+    state = {"big": torch.randn(1000, 100)}
+    with ImageWriter(tmp_path, rank=0) as writer:
+        first = writer.write(1, state, round=0, world_size=1, protect=None)
+        stat = first.body_path.stat()
+        writer.write(2, state, round=0, world_size=1, protect=1)
+        third = writer.write(3, state, round=0, world_size=1, protect=2)
+    assert third.body_path == first.body_path
+    assert (third.body_path.stat().st_ino, third.body_path.stat().st_size) == (
+        stat.st_ino,
+        stat.st_size,
+    )
+
+
+def test_a_growing_state_grows_its_slot(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, slots=1) as writer:
+        writer.write(1, {"x": torch.ones(10)}, round=0, world_size=1, protect=None)
+        big = torch.randn(3_000_000)
+        saved = writer.write(2, {"x": big}, round=0, world_size=1, protect=None)
+    assert torch.equal(read_tensor(LocalImage(saved.header_path), "x"), big)
+
+
+def test_reserve_allocates_every_slot_ahead_of_the_first_save(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=3, slots=2) as writer:
+        writer.reserve(1 << 20)
+    sizes = [(tmp_path / files.body_name(3, s)).stat().st_size for s in range(2)]
+    assert all(size >= 1 << 20 for size in sizes)
+
+
+def test_a_restarted_writer_adopts_the_images_of_its_predecessor(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=1) as writer:
+        writer.write(7, {"x": torch.ones(2)}, round=0, world_size=2, protect=None)
+        writer.write(8, {"x": torch.ones(2)}, round=0, world_size=2, protect=7)
+    with ImageWriter(tmp_path, rank=1) as successor:
+        assert [f.step for f in successor.images()] == [7, 8]
+        successor.write(9, {"x": torch.zeros(2)}, round=1, world_size=2, protect=8)
+        assert [f.step for f in successor.images()] == [8, 9]
+
+
+def test_a_reader_detects_a_body_rewritten_under_it(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, slots=1) as writer:
+        saved = writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        source = LocalImage(saved.header_path)
+        shipped_header = saved.header_path.read_bytes()
+        writer.write(2, {"x": torch.zeros(2)}, round=0, world_size=1, protect=None)
+    with pytest.raises(ImageChangedError):
+        source.check_unchanged()
+    with pytest.raises(ImageFormatError, match="another image"):
+        BytesImage(shipped_header, saved.body_path.read_bytes())
+
+
+def test_newest_complete_step_needs_every_rank_of_its_world(tmp_path: Path) -> None:
+    for rank, steps in [(0, [4, 5]), (1, [4])]:
+        with ImageWriter(tmp_path, rank=rank) as writer:
+            for step in steps:
+                writer.write(step, {"x": torch.ones(1)}, round=0, world_size=2, protect=None)
+    headers = [i.header for i in files.list_images(tmp_path)]
+    assert files.newest_complete_step(headers) == 4
+    assert files.newest_complete_step(h for h in headers if h.rank == 0) is None
+    lone = dataclasses.replace(headers[0], world_size=1, step=9)
+    assert files.newest_complete_step([*headers, lone]) == 9
+
+
+@pytest.mark.parametrize(
+    ("rank", "slots", "message"), [(-1, 2, "rank"), (0, 0, "at least one slot")]
+)
+def test_a_writer_with_bad_arguments_is_refused(
+    tmp_path: Path, rank: int, slots: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ImageWriter(tmp_path, rank=rank, slots=slots)
+
+
+def test_a_save_by_a_rank_outside_its_world_is_refused(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=2) as writer, pytest.raises(ValueError, match="outside"):
+        writer.write(1, {"x": torch.ones(1)}, round=0, world_size=2, protect=None)
+
+
+def test_a_meta_tensor_is_refused_with_its_key(tmp_path: Path) -> None:
+    with (
+        ImageWriter(tmp_path, rank=0) as writer,
+        pytest.raises(CheckpointError, match="w is a meta tensor"),
+    ):
+        writer.write(1, {"w": torch.empty(3, device="meta")}, round=0, world_size=1, protect=None)
+
+
+def test_the_files_module_imports_no_torch() -> None:
+    code = "import sys, dlfleet.worker.checkpoint.files; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})

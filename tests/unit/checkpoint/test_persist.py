@@ -1,0 +1,208 @@
+"""Persisting images as torch.distributed.checkpoint folders, readable by plain DCP."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from unit.checkpoint.states import sharded_images, training_state
+
+from dlfleet.worker.checkpoint.errors import (
+    ImageChangedError,
+    PersistError,
+    PersistTimeoutError,
+    TemplateRequiredError,
+)
+from dlfleet.worker.checkpoint.image import ImageWriter, LocalImage
+from dlfleet.worker.checkpoint.persist import (
+    METADATA,
+    finish,
+    load_persisted,
+    load_persisted_full,
+    newest_persisted,
+    persist,
+    prune,
+    step_folder,
+    write_part,
+)
+from dlfleet.worker.checkpoint.structure import SKELETON_KEY
+
+
+def image_of(directory: Path, state: dict[str, Any], step: int = 1) -> LocalImage:
+    with ImageWriter(directory, rank=0) as writer:
+        saved = writer.write(step, state, round=0, world_size=1, protect=None)
+    return LocalImage(saved.header_path)
+
+
+def template_like(state: dict[str, Any]) -> dict[str, Any]:
+    """The same structure with every tensor zeroed and every other value blanked."""
+    if isinstance(state, dict):
+        return {k: template_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, list):
+        return [template_like(v) for v in state]
+    return None
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict)
+        by_name = {str(k): v for k, v in actual.items()}  # DCP's flattening makes keys str
+        assert set(by_name) == {str(k) for k in expected}
+        for key, value in expected.items():
+            assert_same(by_name[str(key)], value)
+    else:
+        assert actual == expected
+
+
+def test_a_persisted_image_loads_with_plain_dcp_load(tmp_path: Path) -> None:
+    state = training_state(0)
+    folder = persist(image_of(tmp_path / "shm", state), tmp_path / "disk")
+    assert folder == step_folder(tmp_path / "disk", 1) and (folder / METADATA).is_file()
+    template = template_like(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is unavailable ...": on purpose
+        dcp_load(template, checkpoint_id=folder)
+    assert_same(template, state)
+
+
+def test_a_persisted_image_converts_with_dcp_to_torch_save(tmp_path: Path) -> None:
+    state = training_state(0)
+    folder = persist(image_of(tmp_path / "shm", state), tmp_path / "disk")
+    dcp_to_torch_save(folder, tmp_path / "full.pt")
+    converted = torch.load(tmp_path / "full.pt", weights_only=False)
+    # The skeleton travels as one more (string) value: the saved shape, for
+    # restores without a template.
+    assert isinstance(converted.pop(SKELETON_KEY), str)
+    assert_same(converted, state)
+
+
+def test_load_persisted_fills_a_template_and_load_persisted_full_needs_none(
+    tmp_path: Path,
+) -> None:
+    state = training_state(0)
+    folder = persist(image_of(tmp_path / "shm", state), tmp_path / "disk")
+    template = template_like(state)
+    load_persisted(template, folder)
+    assert_same(template, state)
+    assert_same(load_persisted_full(folder), state)
+
+
+def test_a_folder_is_complete_only_once_every_rank_wrote_its_part(tmp_path: Path) -> None:
+    full = torch.arange(12.0).reshape(4, 3)
+    rank0, rank1 = sharded_images(tmp_path, full, 2)
+    root = tmp_path / "disk"
+    write_part(rank0, root)
+    assert newest_persisted(root) is None
+    persist(rank1, root)  # rank 1 does not finish
+    assert newest_persisted(root) is None
+    folder = finish(step_folder(root, 1), world_size=2, round=4, timeout=1.0)
+    assert newest_persisted(root) == (1, folder)
+    assert sorted(p.name for p in folder.iterdir()) == [METADATA, "__0_0.distcp", "__1_0.distcp"]
+    template: dict[str, Any] = {"w": torch.zeros(4, 3), "n": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_load(template, checkpoint_id=folder)
+    assert torch.equal(template["w"], full) and template["n"] == 5
+
+
+def test_the_finishing_rank_gives_up_naming_the_missing_ranks(tmp_path: Path) -> None:
+    rank0, _ = sharded_images(tmp_path, torch.ones(4, 3), 2)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    folder = write_part(rank0, tmp_path / "disk")
+    with pytest.raises(PersistTimeoutError, match=r"ranks \[1\] of round 4"):
+        finish(folder, world_size=2, round=4, timeout=5.0, clock=lambda: now[0], sleep=sleep)
+    assert not (folder / METADATA).exists()
+    assert now[0] >= 5.0
+
+
+def test_a_part_of_another_round_does_not_count(tmp_path: Path) -> None:
+    rank0, rank1 = sharded_images(tmp_path, torch.ones(4, 3), 2)
+    folder = write_part(rank0, tmp_path / "disk")
+    write_part(rank1, tmp_path / "disk")
+    with pytest.raises(PersistTimeoutError, match=r"ranks \[0, 1\] of round 5"):
+        finish(folder, world_size=2, round=5, timeout=0.0)
+
+
+def test_load_persisted_full_asks_for_a_template_when_tensors_are_sharded(tmp_path: Path) -> None:
+    rank0, rank1 = sharded_images(tmp_path, torch.ones(4, 3), 2)
+    write_part(rank1, tmp_path / "disk")
+    folder = persist(rank0, tmp_path / "disk", timeout=1.0)
+    with pytest.raises(TemplateRequiredError, match=r"'w' is stored in 2 shards"):
+        load_persisted_full(folder)
+
+
+def test_persisting_a_complete_step_again_leaves_it_as_it_was(tmp_path: Path) -> None:
+    folder = persist(image_of(tmp_path / "a", {"x": torch.ones(2)}), tmp_path / "disk")
+    before = (folder / METADATA).stat().st_mtime_ns
+    persist(image_of(tmp_path / "b", {"x": torch.zeros(2)}), tmp_path / "disk")
+    assert (folder / METADATA).stat().st_mtime_ns == before
+    assert torch.equal(load_persisted_full(folder)["x"], torch.ones(2))
+
+
+def test_an_image_overwritten_while_persisting_records_no_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with ImageWriter(tmp_path / "shm", rank=0, slots=1) as writer:
+        saved = writer.write(1, {"x": torch.ones(2)}, round=0, world_size=1, protect=None)
+        source = LocalImage(saved.header_path)
+        real_write = FileSystemWriter.write_data
+
+        def write_then_save_again(self: FileSystemWriter, *args: Any) -> Any:
+            written = real_write(self, *args)
+            writer.write(2, {"x": torch.zeros(2)}, round=0, world_size=1, protect=None)
+            return written
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", write_then_save_again)
+        with pytest.raises(ImageChangedError):
+            persist(source, tmp_path / "disk")
+    assert newest_persisted(tmp_path / "disk") is None
+    assert not list(step_folder(tmp_path / "disk", 1).glob("*part*"))
+
+
+def test_loading_an_incomplete_folder_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "step-0000000001").mkdir()
+    with pytest.raises(PersistError, match="not a complete checkpoint"):
+        load_persisted({}, tmp_path / "step-0000000001")
+
+
+def test_newest_persisted_skips_incomplete_folders_and_strangers(tmp_path: Path) -> None:
+    root = tmp_path / "disk"
+    assert newest_persisted(root) is None
+    for step in (3, 5):
+        persist(image_of(tmp_path / f"shm{step}", {"x": torch.ones(1)}, step), root)
+    step_folder(root, 9).mkdir()
+    (root / "step-notanumber").mkdir()
+    (root / "notes.txt").write_text("x")
+    assert newest_persisted(root) == (5, step_folder(root, 5))
+
+
+def test_prune_keeps_the_newest_complete_folders_and_newer_ones_in_progress(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "disk"
+    for step in (1, 3, 5, 7):
+        persist(image_of(tmp_path / f"shm{step}", {"x": torch.ones(1)}, step), root)
+    for step in (2, 9):
+        step_folder(root, step).mkdir()  # 2: a crashed persist; 9: still being written
+    removed = prune(root, keep=2)
+    assert sorted(removed) == [step_folder(root, s) for s in (1, 2, 3)]
+    assert sorted(p.name for p in root.iterdir()) == [step_folder(root, s).name for s in (5, 7, 9)]
+
+
+def test_prune_must_keep_at_least_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        prune(tmp_path, keep=0)

@@ -1,0 +1,396 @@
+"""The agent's checkpoint images: kept in shared memory, reported to the
+master, copied to one peer node, served to whoever restores.
+
+The node's workers write their images (see `dlfleet.worker.checkpoint.files`)
+into `<root>/own`, a folder in /dev/shm that this agent creates and removes:
+the images outlive the worker processes, not the agent. After each save a
+worker tells the agent (`Keeper.Saved`); the agent then
+
+- reports the image to the master, which commits a step once every rank of
+  the round reported it (one report per step for all local ranks that saved
+  it), and answers the newest committed step back to the workers;
+- copies the newest image of each local rank to the next node of the round
+  (a ring over the group ranks), newest first and skipping steps it has no
+  time for: a replica may lag, it is never half-written. The peer keeps it in
+  `<root>/replicas/<node>` (two slots per rank) and reports it as a replica.
+
+`Fetch` serves any image this node holds, own or replica. Images are shipped
+as opaque bytes: the agent imports no torch.
+
+Invariants:
+- a replica's header is written after its body, by rename, so a reader never
+  sees half a replica; the slot holding the newest replica of a rank is never
+  the one overwritten;
+- reports and replication happen off the workers' path: `saved` only queues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from dlfleet.api.client import MasterClient
+from dlfleet.api.errors import DlfleetError
+from dlfleet.api.status import TOKEN_METADATA_KEY
+from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from dlfleet.worker.checkpoint import files
+from dlfleet.worker.checkpoint.errors import CheckpointError
+
+_log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR_ENV = "DLFLEET_CHECKPOINT_DIR"
+SHM_ENV = "DLFLEET_SHM_DIR"  # where the agent's folder goes (default /dev/shm)
+PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header included
+REPLICA_SLOTS = 2
+COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
+_OWNER_FILE = "owner"
+_FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def shm_base() -> Path:
+    base = os.environ.get(SHM_ENV)
+    if base:
+        return Path(base)
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+def remove_stale_folders(base: Path) -> list[Path]:
+    """Folders of agents that died without cleaning up (SIGKILL, a lost node
+    whose machine lived on): their images are nobody's now."""
+    removed = []
+    for path in base.glob("dlworker-*"):
+        match = _FOLDER.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # its agent lives
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+@dataclass(frozen=True)
+class _Held:
+    header_path: Path
+    header: files.ImageHeader
+
+
+class ImageKeeper:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        client: MasterClient,
+        token: str,
+        node_id: str,
+        incarnation: int,
+        address: str,
+    ) -> None:
+        self.root = root
+        self.own_dir = root / "own"
+        self.replica_dir = root / "replicas"
+        self.own_dir.mkdir(parents=True, exist_ok=True)
+        self.replica_dir.mkdir(parents=True, exist_ok=True)
+        (root / _OWNER_FILE).write_text(str(os.getpid()))
+        self._client = client
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.address = address
+        self._lock = threading.Lock()
+        self._commits = threading.Condition(self._lock)
+        self._committed = -1
+        self._own: dict[int, _Held] = {}  # newest own image per rank
+        self._peer: str | None = None
+        self._reports: queue.Queue[_Held | None] = queue.Queue()
+        self._replicate = threading.Event()
+        self._replicated: dict[tuple[str, int], int] = {}  # (peer, rank) -> step sent
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._report_loop, name="keeper-report", daemon=True),
+            threading.Thread(target=self._replicate_loop, name="keeper-replicate", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def create(
+        cls, *, client: MasterClient, token: str, node_id: str, incarnation: int, address: str
+    ) -> ImageKeeper:
+        base = shm_base()
+        for path in remove_stale_folders(base):
+            _log.info("removed the checkpoint images of a dead agent: %s", path)
+        root = base / f"dlworker-{os.getpid()}-{os.urandom(3).hex()}"
+        return cls(
+            root,
+            client=client,
+            token=token,
+            node_id=node_id,
+            incarnation=incarnation,
+            address=address,
+        )
+
+    @property
+    def committed(self) -> int:
+        with self._lock:
+            return self._committed
+
+    def bytes_held(self) -> int:
+        total = 0
+        for path in self.root.rglob("*.body"):
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+        return total
+
+    def set_peer(self, address: str | None) -> None:
+        """The node this one copies its images to (None: no peer, alone)."""
+        with self._lock:
+            changed = address != self._peer
+            self._peer = address or None
+        if changed and address:
+            self._replicate.set()
+
+    # ------------------------------------------------------------ workers
+
+    def saved(self, notice: checkpoint_pb2.SavedNotice) -> checkpoint_pb2.SavedAck:
+        path = Path(notice.path)
+        if path.parent.resolve() != self.own_dir.resolve():
+            raise CheckpointError(f"{path} is not in this agent's folder {self.own_dir}")
+        try:
+            header = files.read_header(path)
+        except (OSError, CheckpointError) as exc:
+            _log.warning("an announced image cannot be read: %s", exc)
+            return checkpoint_pb2.SavedAck(committed_step=self.committed)
+        held = _Held(path, header)
+        with self._lock:
+            self._own[header.rank] = held
+        self._reports.put(held)
+        self._replicate.set()
+        # The worker's next save waits for this answer (in the background of
+        # its training step): answer once the step is committed, or soon.
+        with self._commits:
+            self._commits.wait_for(lambda: self._committed >= header.step, COMMIT_WAIT_S)
+            return checkpoint_pb2.SavedAck(committed_step=self._committed)
+
+    def _report_loop(self) -> None:
+        while True:
+            first = self._reports.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:  # the other local ranks' saves of the step, if already in
+                try:
+                    more = self._reports.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._reports.put(None)
+                    break
+                batch.append(more)
+            by_step: dict[tuple[int, int, int], list[_Held]] = {}
+            for held in batch:
+                h = held.header
+                by_step.setdefault((h.step, h.round, h.world_size), []).append(held)
+            for (step, round_, world), images in sorted(by_step.items()):
+                self._report(step, round_, world, images, replica=False)
+
+    def _report(
+        self, step: int, round_: int, world: int, images: list[_Held], *, replica: bool
+    ) -> None:
+        copies = [
+            checkpoint_pb2.ImageCopy(
+                rank=held.header.rank,
+                node_id=self.node_id,
+                address=self.address,
+                replica=replica,
+                bytes=held.header.body_nbytes,
+            )
+            for held in images
+        ]
+        report = checkpoint_pb2.CheckpointReport(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            step=step,
+            round=round_,
+            world_size=world,
+            copies=copies,
+            dropped_below=self._oldest_held(),
+        )
+        try:
+            answer = self._client.report_checkpoint(report)
+        except DlfleetError as exc:
+            _log.warning("checkpoint report of step %d not taken: %s", step, exc)
+            return
+        with self._commits:
+            self._committed = max(self._committed, answer.committed_step)
+            self._commits.notify_all()
+
+    def _oldest_held(self) -> int:
+        steps = [image.header.step for image in files.list_images(self.own_dir)]
+        for folder in self.replica_dir.iterdir():
+            steps += [image.header.step for image in files.list_images(folder)]
+        return min(steps, default=0)
+
+    # ------------------------------------------------------- replication
+
+    def _replicate_loop(self) -> None:
+        while not self._closed.is_set():
+            self._replicate.wait()
+            self._replicate.clear()
+            if self._closed.is_set():
+                return
+            with self._lock:
+                peer = self._peer
+                todo = [
+                    held
+                    for rank, held in sorted(self._own.items())
+                    if peer is not None
+                    and self._replicated.get((peer, rank), -1) < held.header.step
+                ]
+            if peer is None:
+                continue
+            for held in todo:
+                if self._send_replica(peer, held):
+                    with self._lock:
+                        self._replicated[(peer, held.header.rank)] = held.header.step
+
+    def _send_replica(self, peer: str, held: _Held) -> bool:
+        try:
+            header, body = files.read_image_bytes(held.header_path)
+        except (OSError, CheckpointError) as exc:
+            # Overwritten by a newer save meanwhile: that one is queued next.
+            _log.debug("image of rank %d not replicated: %s", held.header.rank, exc)
+            return False
+        decoded = files.decode_header(header)
+        with grpc.insecure_channel(peer) as channel:
+            stub = checkpoint_pb2_grpc.KeeperStub(channel)
+            try:
+                stub.Replicate(
+                    _pieces(decoded, header, body, self.node_id),
+                    metadata=self._metadata,
+                    timeout=max(30.0, len(body) / 50e6),
+                )
+            except grpc.RpcError as exc:
+                _log.warning(
+                    "replica of rank %d step %d to %s failed: %s",
+                    decoded.rank,
+                    decoded.step,
+                    peer,
+                    exc.code().name,
+                )
+                return False
+        return True
+
+    def receive(self, pieces: Iterator[checkpoint_pb2.ImagePiece]) -> checkpoint_pb2.ReplicateAck:
+        first = next(pieces, None)
+        if first is None or not first.header:
+            raise CheckpointError("a replica stream must start with the image's header")
+        header = files.decode_header(first.header)
+        origin = _UNSAFE.sub("_", first.origin_node) or "unknown"
+        folder = self.replica_dir / origin
+        folder.mkdir(parents=True, exist_ok=True)
+        slot = self._replica_slot(folder, header.rank)
+        header_path = folder / files.header_name(header.rank, slot)
+        body_path = folder / files.body_name(header.rank, slot)
+        header_path.unlink(missing_ok=True)
+        received = 0
+        with body_path.open("wb") as body:
+            for piece in _chain(first, pieces):
+                if piece.offset != received:
+                    raise CheckpointError(f"replica piece at {piece.offset}, expected {received}")
+                body.write(piece.data)
+                received += len(piece.data)
+        if received != first.total_bytes:
+            body_path.unlink(missing_ok=True)
+            raise CheckpointError(f"replica ended after {received} of {first.total_bytes} bytes")
+        renamed = files.ImageHeader(**{**header.__dict__, "body_name": body_path.name})
+        tmp = header_path.with_name(header_path.name + ".tmp")
+        tmp.write_bytes(files.encode_header(renamed))
+        tmp.replace(header_path)
+        self._report(
+            header.step,
+            header.round,
+            header.world_size,
+            [_Held(header_path, renamed)],
+            replica=True,
+        )
+        return checkpoint_pb2.ReplicateAck(bytes=received)
+
+    @staticmethod
+    def _replica_slot(folder: Path, rank: int) -> int:
+        held = {
+            int(image.header_path.name.split(".slot-")[1].split(".")[0]): image.header.step
+            for image in files.list_images(folder, rank)
+        }
+        free = [slot for slot in range(REPLICA_SLOTS) if slot not in held]
+        if free:
+            return free[0]
+        return min(held, key=lambda slot: held[slot])  # the older of the two
+
+    # ------------------------------------------------------------ fetches
+
+    def find(self, step: int, rank: int) -> Path | None:
+        for folder in [self.own_dir, *sorted(self.replica_dir.iterdir())]:
+            for image in files.list_images(folder, rank):
+                if image.header.step == step:
+                    return image.header_path
+        return None
+
+    def send(self, request: checkpoint_pb2.FetchRequest) -> Iterator[checkpoint_pb2.ImagePiece]:
+        path = self.find(request.step, request.rank)
+        if path is None:
+            raise CheckpointError(f"no image of rank {request.rank} step {request.step} here")
+        header, body = files.read_image_bytes(path)
+        yield from _pieces(files.decode_header(header), header, body, self.node_id)
+
+    # ------------------------------------------------------------ the end
+
+    def close(self, *, remove: bool = True) -> None:
+        self._closed.set()
+        self._reports.put(None)
+        self._replicate.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        if remove:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _pieces(
+    header: files.ImageHeader, raw_header: bytes, body: bytes, origin: str
+) -> Iterator[checkpoint_pb2.ImagePiece]:
+    for offset in range(0, max(len(body), 1), PIECE_BYTES):
+        yield checkpoint_pb2.ImagePiece(
+            step=header.step,
+            rank=header.rank,
+            round=header.round,
+            world_size=header.world_size,
+            origin_node=origin,
+            header=raw_header if offset == 0 else b"",
+            total_bytes=len(body) if offset == 0 else 0,
+            offset=offset,
+            data=body[offset : offset + PIECE_BYTES],
+        )
+
+
+def _chain(
+    first: checkpoint_pb2.ImagePiece, rest: Iterator[checkpoint_pb2.ImagePiece]
+) -> Iterator[checkpoint_pb2.ImagePiece]:
+    yield first
+    yield from rest

@@ -1,0 +1,6 @@
+"""In-memory checkpoints (SPEC section 10): images of each rank's state in the
+node's shared memory, restore with resharding, persistence in the
+torch.distributed.checkpoint folder format.
+
+`files` and `errors` import no torch, so that the node agent can use them.
+"""

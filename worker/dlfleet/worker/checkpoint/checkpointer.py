@@ -1,0 +1,484 @@
+"""`Checkpointer`: in-memory checkpoints, from the training script's side.
+
+    ckpt = Checkpointer(persist_every=100)
+    restored = ckpt.load()                      # newest step every rank holds
+    if restored:
+        model.load_state_dict(restored.state["model"]) ...
+    for batch in loader:
+        ... # one training step
+        ckpt.save(step, {"model": ..., "optimizer": ..., "loader": loader.state_dict()})
+
+`save` copies the state into this rank's image in the node agent's shared
+memory (the only part the step waits for) and tells the agent in the
+background; the agent reports it to the master and copies it to a peer node.
+A step is *committed* once every rank of the round saved it. `load` restores
+the newest committed step whose images still exist somewhere (this node's
+memory, a peer's replica), else the newest step persisted to disk, else
+returns None. Every rank restores the same step: rank 0 chooses it and the
+others follow (a collective when a process group is up); if some rank cannot
+read it, all fall back to an older one together.
+
+Restoring into another world size works like torch.distributed.checkpoint: a
+replicated state (DDP) comes from any one image, a sharded one (FSDP2
+DTensors) is resharded from the images of every saving rank, fetched from
+other nodes when needed; pass a template (`load(state)`) for sharded state.
+
+Persistence: at the saves of steps that are multiples of `persist_every`,
+and at `close()`, a background thread writes the image into `persist_dir/step-<N>/` in the
+torch.distributed.checkpoint format (readable by `dcp.load`). While a step is
+being persisted its image is the protected one.
+
+Without a dlworker agent (plain torchrun) the images live in a private
+folder of this process and nothing is committed: `load` reads only what was
+persisted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from dlfleet.api.client import MasterClient
+from dlfleet.api.errors import DlfleetError
+from dlfleet.api.status import TOKEN_METADATA_KEY
+from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from dlfleet.worker import elastic
+from dlfleet.worker.checkpoint import files, persist
+from dlfleet.worker.checkpoint.errors import CheckpointError
+from dlfleet.worker.checkpoint.image import (
+    BytesImage,
+    ImageFile,
+    ImageSource,
+    ImageWriter,
+    LocalImage,
+)
+from dlfleet.worker.checkpoint.remote import fetch_image
+from dlfleet.worker.checkpoint.restore import load_full, restore_into
+
+_log = logging.getLogger("dlfleet.checkpoint")
+
+CHECKPOINT_DIR_ENV = "DLFLEET_CHECKPOINT_DIR"
+AGENT_ENV = "DLFLEET_AGENT"
+MASTER_ENV = "DLFLEET_MASTER"
+TOKEN_ENV = "DLFLEET_TOKEN"
+WORKDIR_ENV = "DLFLEET_WORKDIR"
+# Sources of a restore, as `Restored.source` names them.
+MEMORY, PEER, DISK = "memory", "peer", "disk"
+_ATTEMPTS = 4  # steps tried, newest first, before falling back to disk
+PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
+_CALL_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: dict[str, Any]
+    source: str  # "memory" (this node), "peer" (fetched from another node) or "disk"
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        *,
+        persist_every: int = 0,
+        persist_dir: str | Path | None = None,
+        keep_persisted: int = 2,
+        commit_wait_s: float = 2.0,
+    ) -> None:
+        if persist_every < 0:
+            raise ValueError(f"persist_every must be >= 0 (0: never), got {persist_every}")
+        if keep_persisted < 1:
+            raise ValueError(f"keep_persisted must be >= 1, got {keep_persisted}")
+        self.persist_every = persist_every
+        default_root = Path(os.environ.get(WORKDIR_ENV, ".")) / "checkpoints"
+        self.persist_dir = Path(persist_dir) if persist_dir is not None else default_root
+        self.keep_persisted = keep_persisted
+        self.commit_wait_s = commit_wait_s
+        self.saves = 0
+        self.blocked_s = 0.0  # time save() kept the training step waiting, in total
+        shared = os.environ.get(CHECKPOINT_DIR_ENV)
+        self._private = not shared
+        self.image_dir = (
+            Path(shared) if shared else Path(tempfile.mkdtemp(prefix="dlfleet-images-"))
+        )
+        self._writer: ImageWriter | None = None
+        self._token = os.environ.get(TOKEN_ENV, "")
+        agent = os.environ.get(AGENT_ENV, "")
+        self._agent: checkpoint_pb2_grpc.KeeperStub | None = None
+        self._agent_channel: grpc.Channel | None = None
+        if agent and not self._private:
+            self._agent_channel = grpc.insecure_channel(agent)
+            self._agent = checkpoint_pb2_grpc.KeeperStub(self._agent_channel)
+        self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)
+        self._committed = -1
+        self._announced = -1  # the newest step the agent answered for
+        self._last_saved = -1
+        self._persisting: int | None = None
+        self._last_image: ImageFile | None = None
+        self._notices: queue.Queue[ImageFile | None] = queue.Queue()
+        self._persists: queue.Queue[ImageFile | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._notify_loop, name="dlfleet-ckpt-notify", daemon=True),
+            threading.Thread(target=self._persist_loop, name="dlfleet-ckpt-persist", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Checkpoint `state` as of `step` (call it between steps, on every rank)."""
+        elastic.check()
+        started = time.perf_counter()
+        rank, world, round_ = _context()
+        writer = self._writer_for(rank)
+        self._wait_for_commit(self._last_saved)
+        with self._lock:
+            protect = self._persisting if self._persisting is not None else self._committed
+        image = writer.write(step, state, round=round_, world_size=world, protect=protect)
+        self._last_saved = step
+        self._last_image = image
+        self.saves += 1
+        self.blocked_s += time.perf_counter() - started
+        if self._agent is not None:
+            self._notices.put(image)
+        if self.persist_every and step % self.persist_every == 0:
+            self._persist(image)
+
+    def _writer_for(self, rank: int) -> ImageWriter:
+        if self._writer is None or self._writer.rank != rank:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = ImageWriter(self.image_dir, rank)
+        return self._writer
+
+    def _wait_for_commit(self, step: int) -> None:
+        """Before a slot is reused: the previous save's step is committed (all
+        ranks saved it), so the image it replaces is not the newest committed
+        one. Bounded: a save never waits longer than `commit_wait_s`."""
+        if step < 0 or self._agent is None:
+            return
+        with self._acked:
+            self._acked.wait_for(
+                lambda: self._committed >= step or self._announced >= step, self.commit_wait_s
+            )
+
+    def _notify_loop(self) -> None:
+        while True:
+            image = self._notices.get()
+            if image is None:
+                return
+            while True:  # the newest only: an older notice is history
+                try:
+                    newer = self._notices.get_nowait()
+                except queue.Empty:
+                    break
+                if newer is None:
+                    self._notices.put(None)
+                    break
+                image = newer
+            self._announce(image)
+
+    def _announce(self, image: ImageFile) -> None:
+        assert self._agent is not None
+        attempt = elastic.current()
+        notice = checkpoint_pb2.SavedNotice(
+            rank=image.rank,
+            local_rank=attempt.local_rank if attempt else int(os.environ.get("LOCAL_RANK", "0")),
+            step=image.step,
+            round=image.round,
+            world_size=image.world_size,
+            path=str(image.header_path),
+            bytes=image.nbytes,
+        )
+        committed = -1
+        try:
+            ack = self._agent.Saved(
+                notice, timeout=_CALL_TIMEOUT_S, metadata=((TOKEN_METADATA_KEY, self._token),)
+            )
+            committed = ack.committed_step
+        except grpc.RpcError as exc:
+            _log.warning(
+                "the agent did not take the image of step %d: %s", image.step, exc.code().name
+            )
+        with self._acked:
+            self._committed = max(self._committed, committed)
+            self._announced = max(self._announced, image.step)
+            self._acked.notify_all()
+
+    # ----------------------------------------------------------- persist
+
+    def _persist(self, image: ImageFile) -> None:
+        """Every rank persists the same steps (the multiples of
+        `persist_every`), or the folder never completes: when the previous
+        persist has not finished, this save waits for it."""
+        with self._acked:
+            self._acked.wait_for(lambda: self._persisting is None)
+            self._persisting = image.step
+        self._persists.put(image)
+
+    def _persist_loop(self) -> None:
+        while True:
+            image = self._persists.get()
+            if image is None:
+                return
+            try:
+                self._write_persisted(image)
+            except (OSError, CheckpointError, DlfleetError) as exc:
+                _log.error("persisting step %d failed: %s", image.step, exc)
+            finally:
+                with self._acked:
+                    self._persisting = None
+                    self._acked.notify_all()
+
+    def _write_persisted(self, image: ImageFile) -> None:
+        started = time.monotonic()
+        folder = persist.persist(
+            LocalImage(image.header_path), self.persist_dir, timeout=PERSIST_TIMEOUT_S
+        )
+        if image.rank != 0:
+            return
+        persist.prune(self.persist_dir, self.keep_persisted)
+        _log.info(
+            "persisted step %d to %s in %.2fs", image.step, folder, time.monotonic() - started
+        )
+        master = os.environ.get(MASTER_ENV)
+        if master:
+            with MasterClient(master, token=self._token) as client:
+                client.report_persisted(
+                    checkpoint_pb2.PersistedReport(
+                        step=image.step,
+                        path=str(folder),
+                        round=image.round,
+                        world_size=image.world_size,
+                    )
+                )
+
+    # -------------------------------------------------------------- load
+
+    def load(self, state: dict[str, Any] | None = None) -> Restored | None:
+        """The newest step every rank can restore, or None (start afresh).
+
+        With `state` (a template: e.g. `{"model": model.state_dict(), ...}` or
+        torch.distributed.checkpoint.state_dict's get_state_dict for sharded
+        models), it is loaded in place and returned; without, the saved
+        nested state dict is rebuilt (replicated state only)."""
+        rank, world, _ = _context()
+        before = 0
+        for _ in range(_ATTEMPTS):
+            step, addresses = _agree(self._newest_in_memory(before))
+            if step < 0:
+                break
+            restored = self._try(self._from_memory, step, addresses, state, rank, world)
+            if restored is not None:
+                return restored
+            before = step
+        step = _agree_step(self._newest_on_disk())
+        if step < 0:
+            return None
+        restored = self._try(self._from_disk, step, [], state, rank, world)
+        if restored is None:
+            raise CheckpointError(f"persisted step {step} could not be read by every rank")
+        return restored
+
+    def _newest_in_memory(self, before: int) -> checkpoint_pb2.CheckpointRecord | None:
+        master = os.environ.get(MASTER_ENV)
+        if not master or self._private:
+            return None
+        with MasterClient(master, token=self._token) as client:
+            record = client.latest_checkpoint(before_step=before)
+        return record if record.found else None
+
+    def _newest_on_disk(self) -> int:
+        found = persist.newest_persisted(self.persist_dir)
+        return found[0] if found else -1
+
+    def _try(
+        self,
+        read: Any,
+        step: int,
+        addresses: list[tuple[int, str]],
+        state: dict[str, Any] | None,
+        rank: int,
+        world: int,
+    ) -> Restored | None:
+        """Every rank reads `step`; all succeed or all give it up."""
+        try:
+            restored: Restored | None = read(step, addresses, state, rank, world)
+        except (OSError, CheckpointError, DlfleetError) as exc:
+            _log.warning("rank %d cannot restore step %d: %s", rank, step, exc)
+            restored = None
+        if not _all_agree(restored is not None):
+            return None
+        return restored
+
+    def _from_memory(
+        self,
+        step: int,
+        addresses: list[tuple[int, str]],
+        state: dict[str, Any] | None,
+        rank: int,
+        world: int,
+    ) -> Restored:
+        sources: list[ImageSource] = list(self._local_images(step))
+        source = MEMORY
+        held = {s.header.rank for s in sources}
+        try:
+            return Restored(step, _restore(state, sources, rank, world), source)
+        except CheckpointError:
+            if not addresses:
+                raise
+        # Not enough here (a sharded state, or this node holds none of it):
+        # fetch the other ranks' images from the nodes that hold them.
+        for saved_rank, address in addresses:
+            if saved_rank in held:
+                continue
+            header, body = fetch_image(address, self._token, step, saved_rank)
+            sources.append(BytesImage(header, body))
+            held.add(saved_rank)
+            source = PEER
+        return Restored(step, _restore(state, sources, rank, world), source)
+
+    def _local_images(self, step: int) -> list[LocalImage]:
+        folders = [self.image_dir]
+        replicas = self.image_dir.parent / "replicas"
+        if not self._private and replicas.is_dir():
+            folders += sorted(p for p in replicas.iterdir() if p.is_dir())
+        found = []
+        for folder in folders:
+            for stored in files.list_images(folder):
+                if stored.header.step == step:
+                    try:
+                        found.append(LocalImage(stored.header_path))
+                    except (OSError, CheckpointError):
+                        continue  # reused while we looked
+        return found
+
+    def _from_disk(
+        self,
+        step: int,
+        addresses: list[tuple[int, str]],
+        state: dict[str, Any] | None,
+        rank: int,
+        world: int,
+    ) -> Restored:
+        folder = persist.step_folder(self.persist_dir, step)
+        if state is None:
+            return Restored(step, persist.load_persisted_full(folder), DISK)
+        persist.load_persisted(state, folder)
+        return Restored(step, state, DISK)
+
+    # -------------------------------------------------------------- end
+
+    def close(self) -> None:
+        """Persist the last image (when persisting), then stop the helpers."""
+        if self.persist_every and self._last_image is not None:
+            image = self._last_image
+            with self._lock:
+                busy = self._persisting
+            if (
+                busy != image.step
+                and not (
+                    persist.step_folder(self.persist_dir, image.step) / persist.METADATA
+                ).exists()
+            ):
+                self._persists.put(image)
+        self._notices.put(None)
+        self._persists.put(None)
+        for thread in self._threads:
+            thread.join(timeout=PERSIST_TIMEOUT_S + 30.0)
+        if self._writer is not None:
+            self._writer.close()
+        if self._agent_channel is not None:
+            self._agent_channel.close()
+        if self._private:
+            shutil.rmtree(self.image_dir, ignore_errors=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------ helpers
+
+
+def _context() -> tuple[int, int, int]:
+    """(rank, world size, round) of this process now."""
+    attempt = elastic.current()
+    if attempt is not None:
+        return attempt.rank, attempt.world_size, attempt.round
+    import torch.distributed as dist
+
+    round_ = int(os.environ.get("DLFLEET_ROUND", "0") or 0)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), round_
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), round_
+
+
+def _restore(
+    state: dict[str, Any] | None, sources: list[ImageSource], rank: int, world: int
+) -> dict[str, Any]:
+    if state is None:
+        return load_full(sources, rank=rank, world_size=world)
+    restore_into(state, sources, rank=rank, world_size=world)
+    return state
+
+
+def _group_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _agree(record: checkpoint_pb2.CheckpointRecord | None) -> tuple[int, list[tuple[int, str]]]:
+    """Rank 0's choice of step, on every rank; with where its images are."""
+    step = _agree_step(record.step if record is not None else -1)
+    if step < 0 or record is None or record.step != step:
+        # This rank's own view differs (a report landed in between): ask
+        # the master for that very step.
+        master = os.environ.get(MASTER_ENV)
+        if step < 0 or not master:
+            return step, []
+        with MasterClient(master, token=os.environ.get(TOKEN_ENV, "")) as client:
+            record = client.latest_checkpoint(before_step=step + 1)
+        if not record.found or record.step != step:
+            return step, []
+    return step, [(copy.rank, copy.address) for copy in record.copies if copy.address]
+
+
+def _agree_step(step: int) -> int:
+    if _group_size() == 1:
+        return step
+    import torch
+    import torch.distributed as dist
+
+    chosen = torch.tensor([step], dtype=torch.int64)
+    dist.broadcast(chosen, src=0)
+    return int(chosen.item())
+
+
+def _all_agree(ok: bool) -> bool:
+    if _group_size() == 1:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

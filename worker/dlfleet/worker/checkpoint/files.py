@@ -1,0 +1,280 @@
+"""What an image is on disk and on the wire, readable without torch.
+
+An *image* is one rank's state at one step, as two files in one folder (the
+node's /dev/shm folder for in-memory images):
+
+    rank-00003.slot-1.body     a 64-byte preamble, then the raw bytes of every item
+    rank-00003.slot-1.header   a small JSON description of the body
+
+Invariants:
+- The header is written last, by an atomic rename, and removed before its body
+  is reused: a header on disk always describes a complete body. A reader never
+  sees half an image.
+- The preamble carries the image's nonce, also in its header. A writer changes
+  the preamble before it changes any other byte of a body, so a reader that
+  checks the nonce after reading knows whether the body changed under it.
+- Every item starts at a multiple of `ALIGNMENT` bytes in the body.
+
+The node agent ships `header` and `body` as opaque bytes and reads only the
+header's step, rank, round and world size: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from dlfleet.worker.checkpoint.errors import ImageChangedError, ImageFormatError
+
+FORMAT = "dlfleet-image/1"
+MAGIC = b"DLFLIMG1"
+PREAMBLE_BYTES = 64
+ALIGNMENT = 64
+
+_NAME = re.compile(r"^rank-(\d{5})\.slot-(\d+)\.(header|body)$")
+_NONCE = struct.Struct("<Q")
+
+ObjectPath = tuple[str | int, ...]
+
+
+class ItemKind(Enum):
+    """How an item is stored: DCP's WriteItemType, by name."""
+
+    TENSOR = "tensor"  # a whole plain tensor
+    SHARD = "shard"  # one chunk of a DTensor, at its global offsets
+    BYTES = "bytes"  # any other value, as a torch.save blob
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One write item of DCP's plan and where its bytes are in the body."""
+
+    fqn: str  # DCP's flattened key, e.g. "optim.state.0.weight.exp_avg"
+    kind: ItemKind
+    offset: int  # of the item's bytes in the body
+    length: int
+    # This rank's copy is the one persisted: rank 0 for replicated values, the
+    # first replica of each DTensor shard.
+    primary: bool
+    # Tensors only: DCP's TensorWriteData.
+    dtype: str = ""  # torch dtype name without "torch.", e.g. "float32"
+    size: tuple[int, ...] = ()  # of the whole (global) tensor
+    chunk_offsets: tuple[int, ...] = ()
+    chunk_sizes: tuple[int, ...] = ()
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    step: int
+    rank: int
+    world_size: int
+    round: int
+    nonce: int  # also in the body's preamble
+    body_name: str
+    body_nbytes: int  # the bytes of the body that belong to this image
+    items: tuple[ItemRecord, ...]
+    # DCP's planner_data: flattened key -> path in the nested state dict.
+    paths: Mapping[str, ObjectPath] = field(default_factory=dict)
+    crc32: int | None = None  # of body[:body_nbytes], when the writer computed one
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image found in a folder."""
+
+    header_path: Path
+    body_path: Path
+    header: ImageHeader
+
+
+def header_name(rank: int, slot: int) -> str:
+    return f"rank-{rank:05d}.slot-{slot}.header"
+
+
+def body_name(rank: int, slot: int) -> str:
+    return f"rank-{rank:05d}.slot-{slot}.body"
+
+
+def parse_name(name: str) -> tuple[int, int, str] | None:
+    """(rank, slot, "header" | "body") of an image file name, None for other names."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2)), match.group(3)
+
+
+def preamble(nonce: int) -> bytes:
+    """The first `PREAMBLE_BYTES` of a body whose header carries `nonce`."""
+    return (MAGIC + _NONCE.pack(nonce)).ljust(PREAMBLE_BYTES, b"\0")
+
+
+def encode_header(header: ImageHeader) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "step": header.step,
+        "rank": header.rank,
+        "world_size": header.world_size,
+        "round": header.round,
+        "nonce": header.nonce,
+        "body_name": header.body_name,
+        "body_nbytes": header.body_nbytes,
+        "crc32": header.crc32,
+        "paths": {fqn: list(path) for fqn, path in header.paths.items()},
+        "items": [_encode_item(item) for item in header.items],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_header(data: bytes) -> ImageHeader:
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ImageFormatError(f"not a {FORMAT} header")
+        header = ImageHeader(
+            step=int(doc["step"]),
+            rank=int(doc["rank"]),
+            world_size=int(doc["world_size"]),
+            round=int(doc["round"]),
+            nonce=int(doc["nonce"]),
+            body_name=str(doc["body_name"]),
+            body_nbytes=int(doc["body_nbytes"]),
+            crc32=None if doc["crc32"] is None else int(doc["crc32"]),
+            paths={str(fqn): tuple(path) for fqn, path in doc["paths"].items()},
+            items=tuple(_decode_item(item) for item in doc["items"]),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ImageFormatError(f"malformed image header: {e!r}") from e
+    _check_header(header)
+    return header
+
+
+def read_header(path: Path) -> ImageHeader:
+    try:
+        return decode_header(path.read_bytes())
+    except ImageFormatError as e:
+        raise ImageFormatError(f"{path}: {e}") from e
+
+
+def list_images(directory: Path, rank: int | None = None) -> list[StoredImage]:
+    """The complete images in `directory` (of one rank, or of all), by rank and step.
+
+    A header that disappears while listing (its slot being reused) is skipped.
+    """
+    found = []
+    for path in sorted(directory.glob("rank-*.slot-*.header")):
+        parsed = parse_name(path.name)
+        if parsed is None or (rank is not None and parsed[0] != rank):
+            continue
+        try:
+            header = read_header(path)
+        except FileNotFoundError:
+            continue
+        found.append(StoredImage(path, directory / header.body_name, header))
+    return sorted(found, key=lambda image: (image.header.rank, image.header.step))
+
+
+def newest_complete_step(headers: Iterable[ImageHeader]) -> int | None:
+    """The newest step for which every rank 0..world_size-1 of its round has a header."""
+    ranks: dict[tuple[int, int, int], set[int]] = {}
+    for header in headers:
+        ranks.setdefault((header.step, header.round, header.world_size), set()).add(header.rank)
+    complete = [key[0] for key, held in ranks.items() if held >= set(range(key[2]))]
+    return max(complete, default=None)
+
+
+def check_body(header: ImageHeader, body: bytes | bytearray | memoryview | mmap.mmap) -> None:
+    """Raise ImageFormatError unless `body` is the body `header` describes."""
+    view = memoryview(body)
+    if view.nbytes < header.body_nbytes:
+        raise ImageFormatError(
+            f"body of rank {header.rank} step {header.step} has {view.nbytes} bytes, "
+            f"its header needs {header.body_nbytes}"
+        )
+    if bytes(view[:PREAMBLE_BYTES]) != preamble(header.nonce):
+        raise ImageFormatError(
+            f"body of rank {header.rank} step {header.step} belongs to another image"
+        )
+    if header.crc32 is not None and zlib.crc32(view[: header.body_nbytes]) != header.crc32:
+        raise ImageFormatError(f"body of rank {header.rank} step {header.step}: bad checksum")
+
+
+def read_image_bytes(header_path: Path) -> tuple[bytes, bytes]:
+    """(header, body) of a local image, as bytes to ship to a peer.
+
+    Raises ImageChangedError if a save reused the slot while it was read.
+    """
+    data = header_path.read_bytes()
+    header = decode_header(data)
+    body_path = header_path.parent / header.body_name
+    with body_path.open("rb") as f:
+        body = f.read(header.body_nbytes)
+        check_body(header, body)
+        if os.pread(f.fileno(), PREAMBLE_BYTES, 0) != preamble(header.nonce):
+            raise ImageChangedError(f"{body_path} was overwritten while it was read")
+    return data, body
+
+
+def _encode_item(item: ItemRecord) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "fqn": item.fqn,
+        "kind": item.kind.value,
+        "offset": item.offset,
+        "length": item.length,
+        "primary": item.primary,
+    }
+    if item.kind is not ItemKind.BYTES:
+        doc.update(
+            dtype=item.dtype,
+            size=list(item.size),
+            chunk_offsets=list(item.chunk_offsets),
+            chunk_sizes=list(item.chunk_sizes),
+            requires_grad=item.requires_grad,
+        )
+    return doc
+
+
+def _decode_item(doc: dict[str, Any]) -> ItemRecord:
+    kind = ItemKind(doc["kind"])
+    if kind is ItemKind.BYTES:
+        return ItemRecord(
+            fqn=str(doc["fqn"]),
+            kind=kind,
+            offset=int(doc["offset"]),
+            length=int(doc["length"]),
+            primary=bool(doc["primary"]),
+        )
+    return ItemRecord(
+        fqn=str(doc["fqn"]),
+        kind=kind,
+        offset=int(doc["offset"]),
+        length=int(doc["length"]),
+        primary=bool(doc["primary"]),
+        dtype=str(doc["dtype"]),
+        size=tuple(int(n) for n in doc["size"]),
+        chunk_offsets=tuple(int(n) for n in doc["chunk_offsets"]),
+        chunk_sizes=tuple(int(n) for n in doc["chunk_sizes"]),
+        requires_grad=bool(doc["requires_grad"]),
+    )
+
+
+def _check_header(header: ImageHeader) -> None:
+    if not 0 <= header.rank < header.world_size:
+        raise ImageFormatError(f"rank {header.rank} outside world size {header.world_size}")
+    if header.body_nbytes < PREAMBLE_BYTES:
+        raise ImageFormatError(f"body of {header.body_nbytes} bytes has no preamble")
+    for item in header.items:
+        if item.offset < PREAMBLE_BYTES or item.offset + item.length > header.body_nbytes:
+            raise ImageFormatError(
+                f"item {item.fqn!r} at bytes {item.offset}..{item.offset + item.length} "
+                f"lies outside the body of {header.body_nbytes} bytes"
+            )

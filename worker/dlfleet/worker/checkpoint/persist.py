@@ -1,0 +1,303 @@
+"""Persist images to disk in the standard torch.distributed.checkpoint folder format.
+
+Layout: `<root>/step-<step:010d>/`, DCP's own: `__<rank>_0.distcp` files written
+by DCP's `FileSystemWriter`, and `.metadata`. Plain `dcp.load` and
+`format_utils.dcp_to_torch_save` read the folder.
+
+No collective runs. Each rank writes its part from its image (only its primary
+copies: rank 0 keeps replicated values, the first replica keeps each DTensor
+shard) and records its write results in a small part file; the finishing rank
+(rank 0) waits, for a bounded time, for the parts of every rank of the saving
+world and writes `.metadata` last, by rename. Invariant: a folder with
+`.metadata` is complete, one without is not.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dlfleet.worker.checkpoint.errors import (
+    PersistError,
+    PersistTimeoutError,
+    TemplateRequiredError,
+)
+from dlfleet.worker.checkpoint.files import (
+    ImageHeader,
+    ItemKind,
+    ItemRecord,
+    ObjectPath,
+    decode_header,
+    encode_header,
+)
+from dlfleet.worker.checkpoint.image import ImageSource, dtype_of
+from dlfleet.worker.checkpoint.restore import empty_state_dict, load_with_planner
+from dlfleet.worker.checkpoint.structure import reshape
+
+# DCP's name for a checkpoint's metadata file (torch's filesystem._metadata_fn, private).
+METADATA = ".metadata"
+_PREFIX = "step-"
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"{_PREFIX}{step:010d}"
+
+
+def persist(
+    source: ImageSource, root: Path, *, timeout: float = 300.0, sync_files: bool = True
+) -> Path:
+    """Write this rank's part of the image's step; rank 0 also finishes the folder."""
+    folder = write_part(source, root, sync_files=sync_files)
+    header = source.header
+    if header.rank == 0:
+        finish(folder, world_size=header.world_size, round=header.round, timeout=timeout)
+    return folder
+
+
+def write_part(source: ImageSource, root: Path, *, sync_files: bool = True) -> Path:
+    """Write the primary items of one rank's image and its part file; return the folder.
+
+    Raises ImageChangedError (and records no part) if the image was overwritten meanwhile.
+    """
+    header = source.header
+    folder = step_folder(root, header.step)
+    if (folder / METADATA).is_file():
+        return folder  # persisted already: a complete folder is never rewritten
+    writer = FileSystemWriter(folder, sync_files=sync_files, overwrite=True)
+    writer.set_up_storage_writer(header.rank == 0, rank=header.rank, use_collectives=False)
+    records = [item for item in header.items if item.primary]
+    plan = writer.prepare_local_plan(SavePlan([_write_item(item) for item in records]))
+    results = writer.write_data(plan, _ImagePlanner(source, records)).wait()
+    # A save that reused the slot meanwhile tore what was written: no part, no folder.
+    source.check_unchanged()
+    part = _part_path(folder, header.rank)
+    tmp = part.with_name(part.name + ".tmp")
+    tmp.write_bytes(pickle.dumps({"header": encode_header(header), "results": results}))
+    tmp.replace(part)
+    return folder
+
+
+def finish(
+    folder: Path,
+    *,
+    world_size: int,
+    round: int,
+    timeout: float,
+    poll: float = 0.05,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Path:
+    """Wait for the parts of ranks 0..world_size-1 of `round`, then write `.metadata`."""
+    deadline = clock() + timeout
+    while True:
+        if (folder / METADATA).is_file():
+            return folder  # finished already: a complete folder is never rewritten
+        parts = _read_parts(folder, world_size, round)
+        missing = sorted(set(range(world_size)) - set(parts))
+        if not missing:
+            break
+        if clock() >= deadline:
+            raise PersistTimeoutError(
+                f"{folder}: waited {timeout:.0f}s for the parts of ranks {missing} "
+                f"of round {round}; the folder stays incomplete (no {METADATA})"
+            )
+        sleep(poll)
+    headers = [parts[r][0] for r in range(world_size)]
+    metadata = _metadata(headers, folder)
+    writer = FileSystemWriter(folder)
+    writer.set_up_storage_writer(True)
+    writer.finish(metadata, [parts[r][1] for r in range(world_size)])
+    for rank in range(world_size):
+        _part_path(folder, rank).unlink(missing_ok=True)
+    return folder
+
+
+def newest_persisted(root: Path) -> tuple[int, Path] | None:
+    """The newest complete step folder under `root`, with its step."""
+    complete = [(step, path) for step, path in _step_folders(root) if (path / METADATA).is_file()]
+    return max(complete, default=None)
+
+
+def load_persisted(state_dict: dict[str, Any], path: Path) -> None:
+    """Load a persisted folder into `state_dict` in place, resharding; no collective runs."""
+    reader, metadata = _open(path)
+
+    def read(planner: LoadPlanner, items: list[ReadItem]) -> None:
+        reader.read_data(reader.prepare_local_plan(LoadPlan(items)), planner).wait()
+
+    load_with_planner(state_dict, metadata, 0, read)
+
+
+def load_persisted_full(path: Path) -> dict[str, Any]:
+    """The saved nested state dict of a persisted folder, when no tensor in it is sharded."""
+    _, metadata = _open(path)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and not _whole(md):
+            raise TemplateRequiredError(
+                f"{path}: {fqn!r} is stored in {len(md.chunks)} shards: pass a template "
+                "state dict (e.g. from get_state_dict) to load_persisted instead"
+            )
+    state_dict = empty_state_dict(metadata)
+    load_persisted(state_dict, path)
+    return reshape(state_dict)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete folders, and incomplete ones older than them.
+
+    An incomplete folder newer than every complete one may be in progress: it stays.
+    """
+    if keep < 1:
+        raise ValueError(f"prune must keep at least one complete checkpoint, got keep={keep}")
+    folders = _step_folders(root)
+    complete = [step for step, path in folders if (path / METADATA).is_file()]
+    kept = set(sorted(complete)[-keep:])
+    newest = max(complete, default=-1)
+    removed = []
+    for step, path in folders:
+        if step not in kept and step < newest:
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+class _ImagePlanner(DefaultSavePlanner):
+    """Gives DCP's writer the data of each write item, straight from an image."""
+
+    def __init__(self, source: ImageSource, records: list[ItemRecord]) -> None:
+        super().__init__()
+        self._source = source
+        self._records = {
+            (r.fqn, r.chunk_offsets if r.kind is not ItemKind.BYTES else None): r for r in records
+        }
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._source.blob(self._records[(fqn, None)]))
+        offsets = tuple(write_item.index.offset or ())
+        return self._source.tensor(self._records[(fqn, offsets)])
+
+
+def _write_item(item: ItemRecord) -> WriteItem:
+    if item.kind is ItemKind.BYTES:
+        return WriteItem(index=MetadataIndex(item.fqn), type=WriteItemType.BYTE_IO)
+    offsets = torch.Size(item.chunk_offsets)
+    return WriteItem(
+        index=MetadataIndex(item.fqn, offsets),
+        type=WriteItemType.SHARD if item.kind is ItemKind.SHARD else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(item.chunk_sizes)),
+            properties=_properties(item),
+            size=torch.Size(item.size),
+        ),
+    )
+
+
+def _properties(item: ItemRecord) -> TensorProperties:
+    return TensorProperties(dtype=dtype_of(item.dtype), requires_grad=item.requires_grad)
+
+
+def _metadata(headers: list[ImageHeader], folder: Path) -> Metadata:
+    md: dict[str, STORAGE_TYPES] = {}
+    paths: dict[str, ObjectPath] = {}
+    for header in headers:
+        paths.update(header.paths)
+        for item in header.items:
+            if not item.primary:
+                continue
+            if item.kind is ItemKind.BYTES:
+                md.setdefault(item.fqn, BytesStorageMetadata())
+                continue
+            entry = md.setdefault(
+                item.fqn,
+                TensorStorageMetadata(_properties(item), torch.Size(item.size), chunks=[]),
+            )
+            assert isinstance(entry, TensorStorageMetadata)
+            chunk = ChunkStorageMetadata(
+                torch.Size(item.chunk_offsets), torch.Size(item.chunk_sizes)
+            )
+            if chunk not in entry.chunks:
+                entry.chunks.append(chunk)
+    for fqn, entry in md.items():
+        if isinstance(entry, TensorStorageMetadata):
+            held = sum(math.prod(c.sizes) for c in entry.chunks)
+            if held != math.prod(entry.size):
+                raise PersistError(
+                    f"{folder}: the parts hold {held} of the {math.prod(entry.size)} elements "
+                    f"of {fqn!r}; no rank wrote the rest"
+                )
+    return Metadata(state_dict_metadata=md, planner_data=paths)
+
+
+def _part_path(folder: Path, rank: int) -> Path:
+    return folder / f"__{rank}.dlfleet-part"
+
+
+def _read_parts(
+    folder: Path, world_size: int, round: int
+) -> dict[int, tuple[ImageHeader, list[WriteResult]]]:
+    parts = {}
+    for rank in range(world_size):
+        try:
+            data = pickle.loads(_part_path(folder, rank).read_bytes())
+        except FileNotFoundError:
+            continue
+        header = decode_header(data["header"])
+        # A part of another round (an earlier, failed attempt) is stale: its rank writes again.
+        if header.round == round and header.world_size == world_size:
+            parts[rank] = (header, data["results"])
+    return parts
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    folders = []
+    for path in root.iterdir():
+        suffix = path.name.removeprefix(_PREFIX)
+        if path.is_dir() and path.name.startswith(_PREFIX) and suffix.isdigit():
+            folders.append((int(suffix), path))
+    return sorted(folders)
+
+
+def _open(path: Path) -> tuple[FileSystemReader, Metadata]:
+    if not (path / METADATA).is_file():
+        raise PersistError(f"{path} is not a complete checkpoint: it has no {METADATA}")
+    reader = FileSystemReader(path)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    return reader, metadata
+
+
+def _whole(md: TensorStorageMetadata) -> bool:
+    return len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
