@@ -23,10 +23,12 @@ replicated state (DDP) comes from any one image, a sharded one (FSDP2
 DTensors) is resharded from the images of every saving rank, fetched from
 other nodes when needed; pass a template (`load(state)`) for sharded state.
 
-Persistence: at the saves of steps that are multiples of `persist_every`,
+Persistence: at the saves of steps that are multiples of `persist_every`
 and at `close()`, a background thread writes the image into `persist_dir/step-<N>/` in the
 torch.distributed.checkpoint format (readable by `dcp.load`). While a step is
-being persisted its image is the protected one.
+being persisted its image is the protected one. On SIGTERM (a preemption:
+the agent stops its workers so, then SIGKILLs them after a grace period) the
+newest image is persisted first, if it is not on disk yet.
 
 Without a dlworker agent (plain torchrun) the images live in a private
 folder of this process and nothing is committed: `load` reads only what was
@@ -39,6 +41,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -77,6 +80,8 @@ WORKDIR_ENV = "DLFLEET_WORKDIR"
 MEMORY, PEER, DISK = "memory", "peer", "disk"
 _ATTEMPTS = 4  # steps tried, newest first, before falling back to disk
 PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
+# On SIGTERM, within the agent's grace period (10 s) before its SIGKILL.
+SIGTERM_PERSIST_S = 5.0
 _CALL_TIMEOUT_S = 10.0
 
 
@@ -135,6 +140,9 @@ class Checkpointer:
         ]
         for thread in self._threads:
             thread.start()
+        self._previous_sigterm: Any = None
+        if persist_every and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ------------------------------------------------------------------ save
 
@@ -265,6 +273,31 @@ class Checkpointer:
                         world_size=image.world_size,
                     )
                 )
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Preempted (the agent stops its workers with SIGTERM, then SIGKILL
+        after a grace period): persist the newest image first, if it is not
+        on disk yet, then go on as the previous handler would."""
+        image = self._last_image
+        if image is not None and not self._persisted(image.step):
+            with self._acked:
+                self._acked.wait_for(lambda: self._persisting is None, SIGTERM_PERSIST_S)
+            if not self._persisted(image.step):
+                try:
+                    persist.persist(
+                        LocalImage(image.header_path), self.persist_dir, timeout=SIGTERM_PERSIST_S
+                    )
+                    _log.warning("terminated: persisted step %d first", image.step)
+                except (OSError, CheckpointError) as exc:
+                    _log.error("terminated: step %d could not be persisted: %s", image.step, exc)
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+            return
+        raise SystemExit(128 + signum)
+
+    def _persisted(self, step: int) -> bool:
+        return (persist.step_folder(self.persist_dir, step) / persist.METADATA).exists()
 
     # -------------------------------------------------------------- load
 
@@ -401,6 +434,9 @@ class Checkpointer:
             thread.join(timeout=PERSIST_TIMEOUT_S + 30.0)
         if self._writer is not None:
             self._writer.close()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         if self._agent_channel is not None:
             self._agent_channel.close()
         if self._private:
