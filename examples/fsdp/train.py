@@ -14,43 +14,43 @@ mesh on the machine's accelerator (`torch.accelerator`), so a CPU/gloo job on a
 machine that has a GPU would put the parameters on CUDA and run gloo on them.
 This script passes an explicit CPU mesh.
 
-Checkpoints: a full (unsharded) state dict, gathered on rank 0 and written to
-one file, so that it can be loaded by any number of ranks (an elastic job
-changes its world size) and holds the loader's state next to the model's. For
-models too large for one host's memory, write a sharded checkpoint with
-torch.distributed.checkpoint (DCP) instead, into a fresh directory renamed
-into place once complete, with `loader.state_dict()` in the same state dict.
+What differs from the DDP quickstart:
+
+- Sharding depends on the world, so each attempt of `train` (a new round,
+  perhaps of another size) shards its own copy of the model, built once
+  before `dlfleet.elastic.run`, over a mesh of this round's ranks, and makes
+  its optimizer on those shards. A copy of a built model costs a memory copy,
+  not a cold start. (For a model too large for one host, build it on the
+  meta device instead and let the restore fill it.)
+- Every rank checkpoints its own shards (`get_state_dict` gives DTensors),
+  and a restore passes a template, `load(template)`: the state of this
+  attempt's shards, which the Checkpointer fills in place, reading the pieces
+  each rank needs from the images of every rank that saved them, from this
+  node's memory, a peer node or disk, resharded when the world size changed.
+  `set_state_dict` then puts it into the model and the optimizer.
+- Every `--persist-every` steps the shards are written to disk in
+  torch.distributed.checkpoint format, loadable by `dcp.load` at any world size.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import copy
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 
-from dlfleet import ShardedDataLoader
+from dlfleet import Checkpointer, ShardedDataLoader, elastic
 
-CHECKPOINT_FILE = "checkpoint.pt"
-# The whole (unsharded) state, in CPU memory on rank 0; the other ranks get
-# empty dicts. Loading a full state dict, each rank keeps its own shard of it.
-FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-FULL = StateDictOptions(full_state_dict=True)
 FEATURES, CLASSES = 16, 4
 
 
@@ -86,6 +86,17 @@ def make_model(
     )
 
 
+def shard(model: nn.Sequential, world_size: int) -> None:
+    """FSDP2 over all ranks, on an explicit CPU mesh (see the module docstring).
+    Each layer is its own FSDP unit, its parameters gathered only around its
+    forward and backward; the root then takes what is left."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def empty_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """What a rank trains when the loader gives it no records (an empty list):
     possible only in the last step of an epoch resumed with fewer records left
@@ -109,8 +120,26 @@ def evaluate(model: nn.Module, dataset: SyntheticClassification) -> tuple[float,
     return loss, accuracy
 
 
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loader: ShardedDataLoader | None = None
+) -> dict[str, Any]:
+    """What a step's checkpoint holds, and (without a loader) the template
+    that a restore fills in place.
+
+    The model's and the optimizer's state are this rank's shards (DTensors).
+    The loader's state goes in as one value, in a tuple: nested dicts are
+    flattened into keys (the torch.distributed.checkpoint way) that a template
+    would have to name one by one, whereas a tuple is kept whole, so that the
+    template needs only a placeholder."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "loader": (loader.state_dict(),) if loader is not None else (),
+    }
+
+
 def parse_args() -> argparse.Namespace:
-    default_dir = Path(os.environ.get("DLFLEET_WORKDIR", ".")) / "checkpoints"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--size", type=int, default=4096, help="records in the dataset")
@@ -120,200 +149,144 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-dir",
         type=Path,
-        default=default_dir,
-        help="where checkpoints go (default: $DLFLEET_WORKDIR/checkpoints, else ./checkpoints)",
+        default=None,
+        help="where checkpoints are persisted (default: $DLFLEET_WORKDIR/checkpoints, "
+        "else ./checkpoints)",
     )
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps")
+    parser.add_argument(
+        "--persist-every",
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between checkpoints written to disk (every step is checkpointed in memory)",
+    )
     parser.add_argument("--log-every", type=int, default=10, help="steps")
     return parser.parse_args()
 
 
-# ------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(directory: Path, state: dict[str, Any]) -> None:
-    """Write `state` so that a reader sees the old checkpoint or the new one,
-    never half of one: a temporary file, flushed to disk, then renamed over
-    the old one (a rename within a directory is atomic on POSIX)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / CHECKPOINT_FILE
-    tmp = directory / f".{CHECKPOINT_FILE}.tmp"
-    with tmp.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def agree_on_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """The checkpoint every rank resumes from, as rank 0 sees it (None: start
-    from scratch).
-
-    Rank 0 decides and broadcasts, so that all ranks restore the same state
-    even if the directory changes while they start (rank 0 writes the initial
-    checkpoint right after this) or a node does not see the file. Nothing is
-    written before every rank has loaded: a new checkpoint needs a training
-    step, and a step needs every rank.
-    """
-    path = directory / CHECKPOINT_FILE
-    step = torch.tensor([-1])
-    if dist.get_rank() == 0 and path.exists():
-        step[0] = torch.load(path, weights_only=True)["step"]
-    dist.broadcast(step, src=0)  # a tensor: object collectives need numpy
-    if step.item() < 0:
-        return None
-    # weights_only=True: a checkpoint holds tensors, numbers, strings and
-    # bytes only, so loading one never runs arbitrary pickled code.
-    state: dict[str, Any] = torch.load(path, weights_only=True)
-    if state["step"] != step.item():
-        raise RuntimeError(f"{path} holds step {state['step']}, rank 0 read step {step.item()}")
-    return state
-
-
-# ------------------------------------------------------------------ train
-
-
 class Trainer:
-    """One rank's training: the step counter, and the checkpoints that tie the
-    model, the optimizer and the data's progress to one step."""
+    """One process's training. The dataset and the unsharded model are built
+    once and outlive the attempts; `train` is one attempt."""
 
-    def __init__(
+    def __init__(self, args: argparse.Namespace, checkpointer: Checkpointer) -> None:
+        self.args = args
+        self.checkpointer = checkpointer
+        torch.manual_seed(args.seed)  # the same initial weights on every rank and spare
+        self.dataset = SyntheticClassification(args.size, seed=args.seed)
+        self.base = make_model()  # never sharded: each attempt shards a copy
+
+    def train(self, attempt: elastic.Attempt) -> None:
+        """One attempt: from the newest checkpoint to the end of the last epoch."""
+        model = copy.deepcopy(self.base)
+        shard(model, attempt.world_size)
+        # Built after fully_shard, on the sharded parameters (DTensors): each rank
+        # keeps the optimizer state of its own shard only.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.args.lr)
+        # The loader's spec (size, epochs, shuffle, seed) is registered with the
+        # master by the first rank that uses it; `name` identifies the dataset
+        # within the job, so a new attempt resumes the same one. It is closed
+        # when the attempt ends, however it ends.
+        loader = ShardedDataLoader(
+            self.dataset,
+            self.args.batch_size,
+            shuffle=True,
+            seed=self.args.seed,
+            epochs=self.args.epochs,
+            name="fsdp-synthetic",
+        )
+        step = self.restore(model, optimizer, loader, attempt)
+        # Each iteration of the loader is (the rest of) the next epoch; once the
+        # last epoch is done an iteration yields nothing. A resumed attempt has
+        # at most `epochs` epochs (or rests of one) left.
+        for _ in range(self.args.epochs):
+            step = self.train_epoch(model, optimizer, loader, step, attempt)
+
+        # A sharded model's forward is collective: every rank evaluates.
+        final_loss, accuracy = evaluate(model, self.dataset)
+        if attempt.rank == 0:
+            print(
+                f"done: {self.args.epochs} epochs, final loss {final_loss:.4f}, "
+                f"accuracy {accuracy:.1%}",
+                flush=True,
+            )
+
+    def restore(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loader: ShardedDataLoader,
-        args: argparse.Namespace,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.loader = loader
-        self.args = args
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.step = 0  # optimizer steps since the job began, across restarts
-        self.saved_step = -1
-
-    def resume(self) -> None:
-        """Continue from the latest checkpoint, or checkpoint the start."""
-        state = agree_on_checkpoint(self.args.checkpoint_dir)
-        if state is None:
-            # A checkpoint of the starting point: if this attempt fails before
-            # its first periodic checkpoint, the next one rolls the data back
-            # to the start too, instead of resuming the data with new weights.
-            self.checkpoint()
-            return
+        attempt: elastic.Attempt,
+    ) -> int:
+        """Load the newest step that every rank saved (all ranks agree on it),
+        resharded to this attempt's world; the step to continue from."""
+        restored = self.checkpointer.load(checkpoint_state(model, optimizer))
+        if restored is None:
+            # A checkpoint of the starting point (the model is a fresh copy):
+            # if this attempt fails before the first step is saved by every
+            # rank, the next one rolls the data back to the start too.
+            self.checkpointer.save(0, checkpoint_state(model, optimizer, loader))
+            return 0
         set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=FULL,
+            model,
+            optimizer,
+            model_state_dict=restored.state["model"],
+            optim_state_dict=restored.state["optimizer"],
         )
         # Before the first iteration: this rolls the master's progress on the
         # dataset back to the checkpoint's step, so the records trained after
         # it (by a model that is now discarded) are trained again.
-        self.loader.load_state_dict(state["loader"])
-        self.step = self.saved_step = int(state["step"])
-        if self.rank == 0:
-            print(f"resumed at step {self.step}, world size {self.world}", flush=True)
+        (loader_state,) = restored.state["loader"]
+        loader.load_state_dict(loader_state)
+        if attempt.rank == 0:
+            print(
+                f"resumed at step {restored.step} from {restored.source}, "
+                f"world size {attempt.world_size} (round {attempt.round})",
+                flush=True,
+            )
+        return int(restored.step)
 
-    def checkpoint(self) -> None:
-        """Save between steps: loader.state_dict() counts the batches that the
-        model has been trained on, and no others. Collective: every rank sends
-        its shards, rank 0 gathers the full state and writes it."""
-        if self.saved_step == self.step:
-            return
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer, options=FULL_ON_RANK0
-        )
-        if self.rank == 0:
-            state = {
-                "model": model_state,
-                "optimizer": optimizer_state,
-                "loader": self.loader.state_dict(),
-                "step": self.step,
-            }
-            save_checkpoint(self.args.checkpoint_dir, state)
-        self.saved_step = self.step
-
-    def train_epoch(self) -> int:
-        """Train (the rest of) the loader's current epoch; the batches trained,
-        0 once every epoch is done."""
-        batches = 0
+    def train_epoch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: ShardedDataLoader,
+        step: int,
+        attempt: elastic.Attempt,
+    ) -> int:
+        """Train (the rest of) the loader's next epoch, from `step`; the step reached."""
         window_start, window_samples = time.monotonic(), 0
-        for batch in self.loader:
+        for batch in loader:
             inputs, labels = batch if batch else empty_batch()
-            loss = batch_loss(self.model(inputs), labels)
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = batch_loss(model(inputs), labels)
+            optimizer.zero_grad(set_to_none=True)
             # FSDP reduce-scatters the gradients here. (torch leaves backward() unannotated.)
             loss.backward()  # type: ignore[no-untyped-call]
-            self.optimizer.step()
-            self.step += 1
-            batches += 1
-            window_samples += len(labels) * self.world
-            if self.step % self.args.checkpoint_every == 0:
-                self.checkpoint()
-            if self.rank == 0 and self.step % self.args.log_every == 0:
+            optimizer.step()
+            step += 1
+            # Between steps, on every rank: loader.state_dict() counts the
+            # batches that the model has been trained on, and no others.
+            self.checkpointer.save(step, checkpoint_state(model, optimizer, loader))
+            window_samples += len(labels) * attempt.world_size
+            if attempt.rank == 0 and step % self.args.log_every == 0:
                 rate = window_samples / max(time.monotonic() - window_start, 1e-9)
                 print(
-                    f"epoch {self.loader.epoch} step {self.step} loss {loss.item():.4f} "
-                    f"{rate:,.0f} samples/s (world {self.world})",
+                    f"epoch {loader.epoch} step {step} loss {loss.item():.4f} "
+                    f"{rate:,.0f} samples/s (world {attempt.world_size})",
                     flush=True,
                 )
                 window_start, window_samples = time.monotonic(), 0
-        return batches
+        return step
 
 
 @record  # a failure's traceback reaches the agent (and the job's status)
 def main() -> None:
     args = parse_args()
-    # env:// rendezvous: dlworker (or torchrun) sets RANK, WORLD_SIZE,
-    # MASTER_ADDR and MASTER_PORT. The timeout bounds a hang if a peer vanishes
-    # without the agents noticing; normally the agent stops us long before.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = make_model()
-    # An explicit CPU mesh over all ranks (see the module docstring).
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    # Each layer is its own FSDP unit, its parameters gathered only around its
-    # forward and backward; the root then takes what is left.
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    # Built after fully_shard, on the sharded parameters (DTensors): each rank
-    # keeps the optimizer state of its own shard only.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    dataset = SyntheticClassification(args.size, seed=args.seed)
-    # The loader's spec (size, epochs, shuffle, seed) is registered with the
-    # master by the first rank that uses it; `name` identifies the dataset
-    # within the job, so a restarted worker resumes the same one.
-    loader = ShardedDataLoader(
-        dataset,
-        args.batch_size,
-        shuffle=True,
-        seed=args.seed,
-        epochs=args.epochs,
-        name="fsdp-synthetic",
-    )
-    trainer = Trainer(model, optimizer, loader, args)
-    trainer.resume()
-    # One iteration of the loader is (the rest of) one epoch; after the last
-    # epoch an iteration yields nothing.
-    while trainer.train_epoch():
-        trainer.checkpoint()  # the epoch is complete: its data acked, the model saved
-
-    # A sharded model's forward is collective: every rank evaluates.
-    final_loss, accuracy = evaluate(model, dataset)
-    if dist.get_rank() == 0:
-        print(f"done: {args.epochs} epochs, final loss {final_loss:.4f}, accuracy {accuracy:.1%}")
-    loader.close()
-    dist.destroy_process_group()
+    # Closing persists the last step saved (when persisting at all).
+    with Checkpointer(persist_every=args.persist_every, persist_dir=args.checkpoint_dir) as ckpt:
+        trainer = Trainer(args, ckpt)
+        # The process group's timeout bounds a silent hang; a dead peer or a
+        # world change ends the attempt at once.
+        elastic.run(trainer.train, backend="gloo", timeout=timedelta(seconds=60))
 
 
 if __name__ == "__main__":

@@ -16,37 +16,48 @@ What a dlfleet training script does differently from a plain DDP script:
    DistributedSampler. The master leases the dataset's shards to the whole
    round (sync mode), every rank takes its slice of each global batch, so all
    ranks run the same number of steps even when the world changes mid-epoch.
-2. Its checkpoint holds `loader.state_dict()` next to the model and the
-   optimizer, and a restart calls `loader.load_state_dict()` before the first
-   iteration. Together they roll the model *and* the data back to the same
-   step, so that every record of every epoch is trained exactly once by the
-   model that survives (records trained after the checkpoint are trained again,
-   but their earlier effect was rolled back with the model).
+2. It builds what does not depend on the world (dataset, model, optimizer)
+   once, and hands a `train(attempt)` function to `dlfleet.elastic.run`.
+   Under dlworker a world change or a failed peer does not kill the healthy
+   processes: `run` aborts the attempt and calls `train` again, in the same
+   process (torch imported, model built), with the new round's ranks; a dead
+   rank is taken over by a spare process that the agent started ahead. So
+   whatever depends on the rank or the world size (the DDP wrapper, the
+   loader) is made inside `train`.
+3. It checkpoints after every step, on every rank, with `dlfleet.Checkpointer`:
+   `save` copies the state into shared memory owned by the node agent (the
+   step waits only for that copy; the agent replicates it to a peer node), and
+   every `--persist-every` steps the state is also written to disk in
+   torch.distributed.checkpoint format. Each attempt starts with `load`: the
+   newest step that every rank saved, from this node's memory, a peer's
+   replica, or disk. The state holds `loader.state_dict()`, restored before
+   the first iteration: model *and* data roll back to the same step, so every
+   record of every epoch is trained exactly once by the model that survives
+   (records trained after that step are trained again, but their earlier
+   effect was rolled back with the model).
 
-When a node dies or joins, the agents stop every worker and start them again in
-a new round (with new ranks and world size): this script then simply starts
-from its latest checkpoint. Nothing else is needed for elasticity.
+Under plain torchrun, `run` initialises the process group from the environment
+and calls `train` once, and `load` finds only what was persisted to disk.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import copy
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from dlfleet import ShardedDataLoader
+from dlfleet import Checkpointer, ShardedDataLoader, elastic
 
-CHECKPOINT_FILE = "checkpoint.pt"
 FEATURES, CLASSES = 16, 4
 
 
@@ -104,7 +115,6 @@ def evaluate(model: nn.Module, dataset: SyntheticClassification) -> tuple[float,
 
 
 def parse_args() -> argparse.Namespace:
-    default_dir = Path(os.environ.get("DLFLEET_WORKDIR", ".")) / "checkpoints"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--size", type=int, default=4096, help="records in the dataset")
@@ -114,183 +124,157 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-dir",
         type=Path,
-        default=default_dir,
-        help="where checkpoints go (default: $DLFLEET_WORKDIR/checkpoints, else ./checkpoints)",
+        default=None,
+        help="where checkpoints are persisted (default: $DLFLEET_WORKDIR/checkpoints, "
+        "else ./checkpoints)",
     )
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps")
+    parser.add_argument(
+        "--persist-every",
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between checkpoints written to disk (every step is checkpointed in memory)",
+    )
     parser.add_argument("--log-every", type=int, default=10, help="steps")
     return parser.parse_args()
 
 
-# ------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(directory: Path, state: dict[str, Any]) -> None:
-    """Write `state` so that a reader sees the old checkpoint or the new one,
-    never half of one: a temporary file, flushed to disk, then renamed over
-    the old one (a rename within a directory is atomic on POSIX)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / CHECKPOINT_FILE
-    tmp = directory / f".{CHECKPOINT_FILE}.tmp"
-    with tmp.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def agree_on_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """The checkpoint every rank resumes from, as rank 0 sees it (None: start
-    from scratch).
-
-    Rank 0 decides and broadcasts, so that all ranks restore the same state
-    even if the directory changes while they start (rank 0 writes the initial
-    checkpoint right after this) or a node does not see the file. Nothing is
-    written before every rank has loaded: a new checkpoint needs a training
-    step, and a step needs every rank.
-    """
-    path = directory / CHECKPOINT_FILE
-    step = torch.tensor([-1])
-    if dist.get_rank() == 0 and path.exists():
-        step[0] = torch.load(path, weights_only=True)["step"]
-    dist.broadcast(step, src=0)  # a tensor: object collectives need numpy
-    if step.item() < 0:
-        return None
-    # weights_only=True: a checkpoint holds tensors, numbers, strings and
-    # bytes only, so loading one never runs arbitrary pickled code.
-    state: dict[str, Any] = torch.load(path, weights_only=True)
-    if state["step"] != step.item():
-        raise RuntimeError(f"{path} holds step {state['step']}, rank 0 read step {step.item()}")
-    return state
-
-
-# ------------------------------------------------------------------ train
-
-
 class Trainer:
-    """One rank's training: the step counter, and the checkpoints that tie the
-    model, the optimizer and the data's progress to one step."""
+    """One process's training. What is built here outlives the attempts (and
+    is what a restart in place does not pay for again); `train` is one attempt."""
 
-    def __init__(
-        self,
-        model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
-        loader: ShardedDataLoader,
-        args: argparse.Namespace,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.loader = loader
+    def __init__(self, args: argparse.Namespace, checkpointer: Checkpointer) -> None:
         self.args = args
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.step = 0  # optimizer steps since the job began, across restarts
-        self.saved_step = -1
+        self.checkpointer = checkpointer
+        torch.manual_seed(args.seed)  # the same initial weights on every rank and spare
+        self.dataset = SyntheticClassification(args.size, seed=args.seed)
+        self.model = make_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        # A copy of the starting point, for an attempt that finds no checkpoint:
+        # an earlier attempt of this process may have trained the model past it.
+        # (get_state_dict also gives AdamW its state before the first step, so
+        # that the checkpoint of step 0 has the shape of every later one.)
+        self.initial = copy.deepcopy(get_state_dict(self.model, self.optimizer))
 
-    def resume(self) -> None:
-        """Continue from the latest checkpoint, or checkpoint the start."""
-        state = agree_on_checkpoint(self.args.checkpoint_dir)
-        if state is None:
+    def train(self, attempt: elastic.Attempt) -> None:
+        """One attempt: from the newest checkpoint to the end of the last epoch."""
+        ddp = DistributedDataParallel(self.model)
+        # The loader's spec (size, epochs, shuffle, seed) is registered with the
+        # master by the first rank that uses it; `name` identifies the dataset
+        # within the job, so a new attempt resumes the same one. It is closed
+        # when the attempt ends, however it ends.
+        loader = ShardedDataLoader(
+            self.dataset,
+            self.args.batch_size,
+            shuffle=True,
+            seed=self.args.seed,
+            epochs=self.args.epochs,
+            name="quickstart-synthetic",
+        )
+        step = self.restore(loader, attempt)
+        # Each iteration of the loader is (the rest of) the next epoch; once the
+        # last epoch is done an iteration yields nothing. A resumed attempt has
+        # at most `epochs` epochs (or rests of one) left.
+        for _ in range(self.args.epochs):
+            step = self.train_epoch(ddp, loader, step, attempt)
+
+        # The model is replicated: each rank can evaluate it alone (through
+        # the plain module, which runs no collective).
+        final_loss, accuracy = evaluate(self.model, self.dataset)
+        if attempt.rank == 0:
+            print(
+                f"done: {self.args.epochs} epochs, final loss {final_loss:.4f}, "
+                f"accuracy {accuracy:.1%}",
+                flush=True,
+            )
+
+    def restore(self, loader: ShardedDataLoader, attempt: elastic.Attempt) -> int:
+        """Load the newest step that every rank saved (all ranks agree on it);
+        the step to continue from."""
+        restored = self.checkpointer.load()
+        if restored is None:
+            # A copy: the optimizer keeps the very tensors it loads, and training
+            # would change the starting point in place.
+            model_state, optimizer_state = copy.deepcopy(self.initial)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optimizer_state,
+            )
             # A checkpoint of the starting point: if this attempt fails before
-            # its first periodic checkpoint, the next one rolls the data back
-            # to the start too, instead of resuming the data with new weights.
-            self.checkpoint()
-            return
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            # the first step is saved by every rank, the next one rolls the data
+            # back to the start too, instead of resuming the data with new weights.
+            self.save(0, loader)
+            return 0
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=restored.state["model"],
+            optim_state_dict=restored.state["optimizer"],
+        )
         # Before the first iteration: this rolls the master's progress on the
         # dataset back to the checkpoint's step, so the records trained after
         # it (by a model that is now discarded) are trained again.
-        self.loader.load_state_dict(state["loader"])
-        self.step = self.saved_step = int(state["step"])
-        if self.rank == 0:
-            print(f"resumed at step {self.step}, world size {self.world}", flush=True)
+        loader.load_state_dict(restored.state["loader"])
+        if attempt.rank == 0:
+            print(
+                f"resumed at step {restored.step} from {restored.source}, "
+                f"world size {attempt.world_size} (round {attempt.round})",
+                flush=True,
+            )
+        return int(restored.step)
 
-    def checkpoint(self) -> None:
-        """Save between steps: loader.state_dict() counts the batches that the
-        model has been trained on, and no others. Every rank holds the same
-        weights (DDP), so rank 0 writes alone."""
-        if self.saved_step == self.step:
-            return
-        if self.rank == 0:
-            state = {
-                "model": self.model.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "loader": self.loader.state_dict(),
-                "step": self.step,
-            }
-            save_checkpoint(self.args.checkpoint_dir, state)
-        self.saved_step = self.step
+    def save(self, step: int, loader: ShardedDataLoader) -> None:
+        """Checkpoint between steps, on every rank: loader.state_dict() counts
+        the batches that the model has been trained on, and no others."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "loader": loader.state_dict(),
+        }
+        self.checkpointer.save(step, state)
 
-    def train_epoch(self) -> int:
-        """Train (the rest of) the loader's current epoch; the batches trained,
-        0 once every epoch is done."""
-        batches = 0
+    def train_epoch(
+        self,
+        ddp: DistributedDataParallel,
+        loader: ShardedDataLoader,
+        step: int,
+        attempt: elastic.Attempt,
+    ) -> int:
+        """Train (the rest of) the loader's next epoch, from `step`; the step reached."""
         window_start, window_samples = time.monotonic(), 0
-        for batch in self.loader:
+        for batch in loader:
             inputs, labels = batch if batch else empty_batch()
-            loss = batch_loss(self.model(inputs), labels)
+            loss = batch_loss(ddp(inputs), labels)
             self.optimizer.zero_grad(set_to_none=True)
             # DDP all-reduces the gradients here. (torch leaves backward() unannotated.)
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
-            self.step += 1
-            batches += 1
-            window_samples += len(labels) * self.world
-            if self.step % self.args.checkpoint_every == 0:
-                self.checkpoint()
-            if self.rank == 0 and self.step % self.args.log_every == 0:
+            step += 1
+            self.save(step, loader)
+            window_samples += len(labels) * attempt.world_size
+            if attempt.rank == 0 and step % self.args.log_every == 0:
                 rate = window_samples / max(time.monotonic() - window_start, 1e-9)
                 print(
-                    f"epoch {self.loader.epoch} step {self.step} loss {loss.item():.4f} "
-                    f"{rate:,.0f} samples/s (world {self.world})",
+                    f"epoch {loader.epoch} step {step} loss {loss.item():.4f} "
+                    f"{rate:,.0f} samples/s (world {attempt.world_size})",
                     flush=True,
                 )
                 window_start, window_samples = time.monotonic(), 0
-        return batches
+        return step
 
 
 @record  # a failure's traceback reaches the agent (and the job's status)
 def main() -> None:
     args = parse_args()
-    # env:// rendezvous: dlworker (or torchrun) sets RANK, WORLD_SIZE,
-    # MASTER_ADDR and MASTER_PORT. The timeout bounds a hang if a peer vanishes
-    # without the agents noticing; normally the agent stops us long before.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = DistributedDataParallel(make_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    dataset = SyntheticClassification(args.size, seed=args.seed)
-    # The loader's spec (size, epochs, shuffle, seed) is registered with the
-    # master by the first rank that uses it; `name` identifies the dataset
-    # within the job, so a restarted worker resumes the same one.
-    loader = ShardedDataLoader(
-        dataset,
-        args.batch_size,
-        shuffle=True,
-        seed=args.seed,
-        epochs=args.epochs,
-        name="quickstart-synthetic",
-    )
-    trainer = Trainer(model, optimizer, loader, args)
-    trainer.resume()
-    # One iteration of the loader is (the rest of) one epoch; after the last
-    # epoch an iteration yields nothing.
-    while trainer.train_epoch():
-        trainer.checkpoint()  # the epoch is complete: its data acked, the model saved
-
-    # The model is replicated: each rank can evaluate it alone (through
-    # model.module, which runs no collective).
-    final_loss, accuracy = evaluate(model.module, dataset)
-    if dist.get_rank() == 0:
-        print(f"done: {args.epochs} epochs, final loss {final_loss:.4f}, accuracy {accuracy:.1%}")
-    loader.close()
-    dist.destroy_process_group()
+    # Closing persists the last step saved (when persisting at all).
+    with Checkpointer(persist_every=args.persist_every, persist_dir=args.checkpoint_dir) as ckpt:
+        trainer = Trainer(args, ckpt)
+        # The process group's timeout bounds a silent hang; a dead peer or a
+        # world change ends the attempt at once.
+        elastic.run(trainer.train, backend="gloo", timeout=timedelta(seconds=60))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint import files, persist
-from dlfleet.worker.checkpoint.errors import CheckpointError
+from dlfleet.worker.checkpoint.errors import CheckpointError, PersistTimeoutError
 from dlfleet.worker.checkpoint.image import (
     BytesImage,
     ImageFile,
@@ -82,6 +82,7 @@ _ATTEMPTS = 4  # steps tried, newest first, before falling back to disk
 PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
 # On SIGTERM, within the agent's grace period (10 s) before its SIGKILL.
 SIGTERM_PERSIST_S = 5.0
+_WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
 _CALL_TIMEOUT_S = 10.0
 
 
@@ -134,9 +135,11 @@ class Checkpointer:
         self._last_image: ImageFile | None = None
         self._notices: queue.Queue[ImageFile | None] = queue.Queue()
         self._persists: queue.Queue[ImageFile | None] = queue.Queue()
+        self._finishes: queue.Queue[tuple[ImageFile, Path] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._notify_loop, name="dlfleet-ckpt-notify", daemon=True),
             threading.Thread(target=self._persist_loop, name="dlfleet-ckpt-persist", daemon=True),
+            threading.Thread(target=self._finish_loop, name="dlfleet-ckpt-finish", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -178,10 +181,20 @@ class Checkpointer:
         one. Bounded: a save never waits longer than `commit_wait_s`."""
         if step < 0 or self._agent is None:
             return
+        self._wait(lambda: self._committed >= step or self._announced >= step, self.commit_wait_s)
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float | None) -> None:
+        """Wait on the training thread until `done()`, but leave at once when
+        the agent ends the round (the thread is in no collective here, so
+        only this check can let it go)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._acked:
-            self._acked.wait_for(
-                lambda: self._committed >= step or self._announced >= step, self.commit_wait_s
-            )
+            while not done():
+                left = _WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._acked.wait(min(left, _WAIT_SLICE_S))
+                elastic.check()
 
     def _notify_loop(self) -> None:
         while True:
@@ -232,31 +245,62 @@ class Checkpointer:
         """Every rank persists the same steps (the multiples of
         `persist_every`), or the folder never completes: when the previous
         persist has not finished, this save waits for it."""
+        self._wait(lambda: self._persisting is None, None)
         with self._acked:
-            self._acked.wait_for(lambda: self._persisting is None)
             self._persisting = image.step
         self._persists.put(image)
 
     def _persist_loop(self) -> None:
+        """Writes this rank's part of each due step (its image is protected
+        meanwhile); rank 0 hands the folder to the finisher, which waits for
+        the other ranks' parts off the path of the next saves."""
         while True:
             image = self._persists.get()
             if image is None:
+                self._finishes.put(None)
                 return
             try:
-                self._write_persisted(image)
-            except (OSError, CheckpointError, DlfleetError) as exc:
+                folder = persist.write_part(LocalImage(image.header_path), self.persist_dir)
+            except (OSError, CheckpointError) as exc:
                 _log.error("persisting step %d failed: %s", image.step, exc)
+                continue
             finally:
                 with self._acked:
                     self._persisting = None
                     self._acked.notify_all()
+            if image.rank == 0:
+                self._finishes.put((image, folder))
 
-    def _write_persisted(self, image: ImageFile) -> None:
+    def _finish_loop(self) -> None:
+        while True:
+            item = self._finishes.get()
+            if item is None:
+                return
+            image, folder = item
+            try:
+                self._finish(image, folder)
+            except (OSError, CheckpointError, DlfleetError) as exc:
+                _log.error("persisting step %d failed: %s", image.step, exc)
+
+    def _all_parts_written(self, image: ImageFile, folder: Path) -> bool:
+        """Wait for the other ranks' parts of `image`'s step, until they are all
+        there (True), a newer step is due to finish, or PERSIST_TIMEOUT_S: a
+        rank that died before writing its part never will, and the folder of
+        a newer step supersedes this one (an incomplete folder is pruned)."""
+        deadline = time.monotonic() + PERSIST_TIMEOUT_S
+        while True:
+            try:
+                persist.finish(folder, world_size=image.world_size, round=image.round, timeout=0)
+                return True
+            except PersistTimeoutError as exc:
+                if not self._finishes.empty() or time.monotonic() > deadline:
+                    _log.warning("step %d is not persisted: %s", image.step, exc)
+                    return False
+            time.sleep(0.05)
+
+    def _finish(self, image: ImageFile, folder: Path) -> None:
         started = time.monotonic()
-        folder = persist.persist(
-            LocalImage(image.header_path), self.persist_dir, timeout=PERSIST_TIMEOUT_S
-        )
-        if image.rank != 0:
+        if not self._all_parts_written(image, folder):
             return
         persist.prune(self.persist_dir, self.keep_persisted)
         _log.info(
@@ -421,12 +465,7 @@ class Checkpointer:
             image = self._last_image
             with self._lock:
                 busy = self._persisting
-            if (
-                busy != image.step
-                and not (
-                    persist.step_folder(self.persist_dir, image.step) / persist.METADATA
-                ).exists()
-            ):
+            if busy != image.step and not self._persisted(image.step):
                 self._persists.put(image)
         self._notices.put(None)
         self._persists.put(None)
