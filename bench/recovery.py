@@ -852,7 +852,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=None, help="rank kills per system (10)")
     parser.add_argument("--node-trials", type=int, default=None, help="node kills, dlfleet (5)")
     parser.add_argument("--quick", action="store_true", help="3 rank kills, 2 node kills")
-    parser.add_argument("--steps", type=int, default=400, help="the step to reach (400)")
+    parser.add_argument("--steps", type=int, default=500, help="the step to reach (500)")
     parser.add_argument("--step-ms", type=float, default=50.0, help="wall time of a step (50)")
     parser.add_argument(
         "--kill-after", type=int, default=30, help="steps every rank completes before the kill"
@@ -861,7 +861,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--relaunch-delay", type=float, default=1.0, help="node kills: seconds to the new node"
     )
     parser.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds from the kill to the job's end (60)"
+        "--timeout", type=float, default=90.0, help="seconds from the kill to the job's end (90)"
+    )
+    parser.add_argument(
+        "--torchrun-trials",
+        type=int,
+        default=None,
+        help="rank kills under torchrun (default: --trials; each that hangs costs --timeout)",
     )
     parser.add_argument(
         "--start-timeout", type=float, default=90.0, help="seconds to reach the kill point (90)"
@@ -876,6 +882,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.trials = 3 if args.quick else 10
     if args.node_trials is None:
         args.node_trials = 2 if args.quick else 5
+    if args.torchrun_trials is None:
+        args.torchrun_trials = args.trials
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.systems or any(s not in SYSTEMS for s in args.systems):
         parser.error(f"--systems wants some of {', '.join(SYSTEMS)}")
@@ -911,7 +919,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for index in range(max(args.trials, args.node_trials)):
             order = args.systems if index % 2 == 0 else args.systems[::-1]
-            runs = [(system, "rank") for system in order if index < args.trials]
+            runs = [
+                (system, "rank")
+                for system in order
+                if index < (args.torchrun_trials if system == "torchrun" else args.trials)
+            ]
             if "dlfleet" in args.systems and index < args.node_trials:
                 runs.append(("dlfleet", "node"))
             for system, kind in runs:

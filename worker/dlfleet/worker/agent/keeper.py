@@ -53,6 +53,7 @@ SHM_ENV = "DLFLEET_SHM_DIR"  # where the agent's folder goes (default /dev/shm)
 PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header included
 REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
+REPLICA_WAIT_S = 0.25  # and then for its copy on the peer node
 _OWNER_FILE = "owner"
 _FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -184,10 +185,18 @@ class ImageKeeper:
         self._reports.put(held)
         self._replicate.set()
         # The worker's next save waits for this answer (in the background of
-        # its training step): answer once the step is committed, or soon.
+        # its training step): answer once the step is committed (at most
+        # COMMIT_WAIT_S) and copied to the peer node, so that losing this node
+        # loses at most this step (at most REPLICA_WAIT_S more: a large image
+        # replicates at the network's pace, and training must not).
         with self._commits:
             self._commits.wait_for(lambda: self._committed >= header.step, COMMIT_WAIT_S)
+            self._commits.wait_for(lambda: self._replicated_to_peer(header), REPLICA_WAIT_S)
             return checkpoint_pb2.SavedAck(committed_step=self._committed)
+
+    def _replicated_to_peer(self, header: files.ImageHeader) -> bool:
+        peer = self._peer
+        return peer is None or self._replicated.get((peer, header.rank), -1) >= header.step
 
     def _report_loop(self) -> None:
         while True:
@@ -239,7 +248,9 @@ class ImageKeeper:
             _log.warning("checkpoint report of step %d not taken: %s", step, exc)
             return
         with self._commits:
-            self._committed = max(self._committed, answer.committed_step)
+            # The master's word, not a maximum: a restore abandons the steps after
+            # it, and the commits of the round that failed go with them.
+            self._committed = answer.committed_step
             self._commits.notify_all()
 
     def _oldest_held(self) -> int:
@@ -268,8 +279,9 @@ class ImageKeeper:
                 continue
             for held in todo:
                 if self._send_replica(peer, held):
-                    with self._lock:
+                    with self._commits:
                         self._replicated[(peer, held.header.rank)] = held.header.step
+                        self._commits.notify_all()
 
     def _send_replica(self, peer: str, held: _Held) -> bool:
         try:

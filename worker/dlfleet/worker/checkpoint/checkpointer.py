@@ -130,6 +130,7 @@ class Checkpointer:
         self._acked = threading.Condition(self._lock)
         self._committed = -1
         self._announced = -1  # the newest step the agent answered for
+        self._round = int(os.environ.get("DLFLEET_ROUND", "0") or 0)  # of the lineage
         self._last_saved = -1
         self._persisting: int | None = None
         self._last_image: ImageFile | None = None
@@ -154,6 +155,9 @@ class Checkpointer:
         elastic.check()
         started = time.perf_counter()
         rank, world, round_ = _context()
+        if round_ != self._round:  # a new round that did not load(): its answers count
+            with self._acked:
+                self._round = round_
         writer = self._writer_for(rank)
         self._wait_for_commit(self._last_saved)
         with self._lock:
@@ -235,6 +239,8 @@ class Checkpointer:
                 "the agent did not take the image of step %d: %s", image.step, exc.code().name
             )
         with self._acked:
+            if image.round != self._round:
+                return  # an answer about a round that a restore has left behind
             self._committed = max(self._committed, committed)
             self._announced = max(self._announced, image.step)
             self._acked.notify_all()
@@ -352,6 +358,16 @@ class Checkpointer:
         torch.distributed.checkpoint.state_dict's get_state_dict for sharded
         models), it is loaded in place and returned; without, the saved
         nested state dict is rebuilt (replicated state only)."""
+        restored = self._load(state)
+        # The lineage goes on from the restored step: saves of later steps
+        # by the round that failed are history, whatever was committed then.
+        with self._acked:
+            base = restored.step if restored is not None else -1
+            self._committed = self._announced = self._last_saved = base
+            self._round = _context()[2]
+        return restored
+
+    def _load(self, state: dict[str, Any] | None) -> Restored | None:
         rank, world, _ = _context()
         before = 0
         for _ in range(_ATTEMPTS):
