@@ -153,6 +153,7 @@ from dlfleet.api.errors import DlfleetError  # noqa: E402
 from dlfleet.api.v1 import job_pb2  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ledger_train.py"
+SPARE_NAME = "dlfleet-spare"  # dlfleet.elastic's name for a spare process
 KINDS = ("kill-worker", "kill-agent", "preempt", "kill-master", "hang-worker")
 JOB_NAME = "chaos"
 NODES = 2  # the quickstart's nodes.max, and the target throughout
@@ -330,7 +331,19 @@ def process_state(pid: int) -> str | None:
 
 
 def workers_of(agent_pid: int) -> list[int]:
-    return sorted(c for c in children(agent_pid) if str(SCRIPT) in cmdline(c))
+    """The training processes of a node: its agent's children running the
+    script, spares (started ahead, not training: `dlfleet-spare` is their
+    name until they take over a rank) left out."""
+    return sorted(
+        c for c in children(agent_pid) if str(SCRIPT) in cmdline(c) and comm(c) != SPARE_NAME
+    )
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 # --------------------------------------------------------------------------- observing

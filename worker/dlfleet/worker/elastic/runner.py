@@ -57,6 +57,9 @@ PEER_FAILURE_GRACE_ENV = "DLFLEET_PEER_FAILURE_GRACE"
 DEFAULT_PEER_FAILURE_GRACE_S = 30.0
 EXIT_AGENT_GONE = 3
 _ABORTED = object()  # what an aborted attempt returns
+# Process names of spares (/proc/<pid>/comm): tools tell them from ranks.
+SPARE_NAME = "dlfleet-spare"
+RANK_NAME = "dlfleet-rank"
 # What a collective says when a peer is gone or the group was aborted.
 _COMMUNICATION_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Read error|Write error|Broken pipe|Timed out|"
@@ -146,6 +149,7 @@ def run(
     if not address:
         return _run_once(train, backend, timeout)
     if os.environ.get(SPARE_ENV) == "1":
+        _name_process(SPARE_NAME)  # what `ps` shows until it takes over a rank
         warm_up(backend)  # before attaching: a spare that attached is ready
     # Everything alive now (torch, the script's imports, its model) stays:
     # later collections, after each aborted attempt, skip it (~0.2 s -> ms).
@@ -270,6 +274,8 @@ class _InProcess:
         import torch.distributed as dist
 
         _apply_env(order.env)
+        if os.environ.get(SPARE_ENV) == "1":
+            _name_process(RANK_NAME)
         self.round = order.round
         attempt = Attempt(
             round=order.round,
@@ -407,6 +413,12 @@ def _wait_for_listener(host: str, port: int, timeout: timedelta) -> None:
                 return
         except OSError:
             time.sleep(0.005)
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name as `ps` and /proc/<pid>/comm show it."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name)
 
 
 def _apply_env(env: Mapping[str, str]) -> None:
