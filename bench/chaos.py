@@ -153,7 +153,7 @@ from dlfleet.api.errors import DlfleetError  # noqa: E402
 from dlfleet.api.v1 import job_pb2  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ledger_train.py"
-SPARE_NAME = "dlfleet-spare"  # dlfleet.elastic's name for a spare process
+RANK_NAME = "dlfleet-rank"  # dlfleet.elastic's name for a spare that took over a rank
 KINDS = ("kill-worker", "kill-agent", "preempt", "kill-master", "hang-worker")
 JOB_NAME = "chaos"
 NODES = 2  # the quickstart's nodes.max, and the target throughout
@@ -332,11 +332,21 @@ def process_state(pid: int) -> str | None:
 
 def workers_of(agent_pid: int) -> list[int]:
     """The training processes of a node: its agent's children running the
-    script, spares (started ahead, not training: `dlfleet-spare` is their
-    name until they take over a rank) left out."""
+    script, spares left out (a spare is started with DLFLEET_SPARE=1 and is
+    named `dlfleet-rank` once it took over a rank)."""
     return sorted(
-        c for c in children(agent_pid) if str(SCRIPT) in cmdline(c) and comm(c) != SPARE_NAME
+        c
+        for c in children(agent_pid)
+        if str(SCRIPT) in cmdline(c) and (comm(c) == RANK_NAME or not started_as_spare(c))
     )
+
+
+def started_as_spare(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"DLFLEET_SPARE=1" in environ
 
 
 def comm(pid: int) -> str:
