@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -194,3 +195,69 @@ def tagged_pids(tag_env: str, tag: str) -> list[int]:
         if state != b"Z" and marker in environ.split(b"\0"):
             found.append(int(entry))
     return found
+
+
+class TrialError(BenchError):
+    """A trial that did not give its figure: why, and what the logs said."""
+
+    def __init__(self, reason: str, details: list[str]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details
+
+
+def spawn_logged(
+    argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], Any]:
+    """Start `argv` in its own session, stdout and stderr into `log_path`;
+    the process and the log file (the caller closes it)."""
+    log = open(log_path, "wb")  # noqa: SIM115 - the caller closes it
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc, log
+
+
+def listening_port(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """The port a dlfleet master prints ("listening on 127.0.0.1:P") into
+    its log; BenchError if it exits or stays silent for `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pattern = re.compile(rb"listening on 127\.0\.0\.1:(\d+)")
+    while time.monotonic() < deadline:
+        found = pattern.search(log_path.read_bytes())
+        if found:
+            return int(found.group(1))
+        if proc.poll() is not None:
+            raise BenchError(f"the master exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise BenchError(f"the master did not listen within {timeout_s:.0f} s")
+
+
+def kill_tagged(
+    procs: list[subprocess.Popen[bytes]], tag_env: str, tag: str, timeout_s: float
+) -> list[int]:
+    """SIGKILL `procs`' process groups and every process carrying the tag,
+    until none is left or `timeout_s`; the pids still alive then."""
+    deadline = time.monotonic() + timeout_s
+    left: list[int] = []
+    while True:
+        for proc in procs:
+            if proc.poll() is None:
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for pid in tagged_pids(tag_env, tag):
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in procs:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+        left = tagged_pids(tag_env, tag)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)

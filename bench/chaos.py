@@ -226,6 +226,9 @@ class Fault:
     first_line: int  # index into the ledger tail's lines at T0
     detected_at: float | None = None
     detect_signal: str = ""
+    # When the last status read that showed no change was asked for: the
+    # change that detection saw happened after it.
+    unchanged_at: float | None = None
     resumed_at: float | None = None
     master_back_at: float | None = None
     scaled_at: float | None = None
@@ -652,6 +655,7 @@ class ChaosRun:
         return self._finish()
 
     def _tick(self) -> None:
+        asked = time.time()
         status = self.status()
         now = time.time()
         self.tail.read()
@@ -661,7 +665,7 @@ class ChaosRun:
             self.event(now, "status", moved)
         self._watch_steady(status, now)
         if self.pending is not None:
-            self._check(self.pending, status, now, moved)
+            self._check(self.pending, status, now, moved, asked)
         elif self.injecting and status is not None:
             self._maybe_inject(status, now)  # detection compares with `sig`
         self.last_sig = sig
@@ -688,11 +692,19 @@ class ChaosRun:
         return self.steady_since is not None and now - self.steady_since >= self.s.settle_s
 
     def _check(
-        self, fault: Fault, status: job_pb2.JobStatus | None, now: float, moved: list[str]
+        self,
+        fault: Fault,
+        status: job_pb2.JobStatus | None,
+        now: float,
+        moved: list[str],
+        asked: float,
     ) -> None:
-        if fault.detected_at is None and moved:
-            fault.detected_at = now
-            fault.detect_signal = "; ".join(moved)
+        if fault.detected_at is None:
+            if moved:
+                fault.detected_at = now
+                fault.detect_signal = "; ".join(moved)
+            elif status is not None:
+                fault.unchanged_at = asked
         self._follow(fault, status)
         new_round = fault.kind == "kill-master" or self.steady_round > fault.attempt_before
         if self._settled(now) and new_round:

@@ -67,11 +67,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -83,7 +81,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from _common import BenchError, say, tagged_pids
+from _common import (
+    BenchError,
+    TrialError,
+    kill_tagged,
+    listening_port,
+    say,
+    spawn_logged,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "bench" / "_checkpoint_train.py"
@@ -216,17 +221,8 @@ class Trial:
         return self.dir / f"{name}.log"
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_path(name), "wb")  # noqa: SIM115 - closed in cleanup()
-        self._logs.append(log)
-        proc = subprocess.Popen(
-            argv,
-            cwd=self.dir,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc, log = spawn_logged(argv, cwd=self.dir, env=self.env, log_path=self.log_path(name))
+        self._logs.append(log)  # closed in cleanup()
         self.procs[name] = proc
         return proc
 
@@ -307,17 +303,10 @@ class Trial:
             raise TrialError(f"ranks {sorted(done)} of {NPROC} finished", self.log_tails())
 
     def _master_port(self) -> int:
-        deadline = time.monotonic() + MASTER_READY_S
-        pattern = re.compile(rb"listening on 127\.0\.0\.1:(\d+)")
-        master = self.procs["master"]
-        while time.monotonic() < deadline:
-            found = pattern.search(self.log_path("master").read_bytes())
-            if found:
-                return int(found.group(1))
-            if master.poll() is not None:
-                raise TrialError(f"the master exited with {master.returncode}", self.log_tails())
-            time.sleep(0.05)
-        raise TrialError(f"the master did not listen within {MASTER_READY_S:.0f} s", [])
+        try:
+            return listening_port(self.log_path("master"), self.procs["master"], MASTER_READY_S)
+        except BenchError as exc:
+            raise TrialError(str(exc), self.log_tails()) from None
 
     def log_tails(self, lines: int = 12) -> list[str]:
         out: list[str] = []
@@ -333,35 +322,12 @@ class Trial:
 
     def cleanup(self) -> list[int]:
         """SIGKILL every process of the trial; the pids still alive after CLEANUP_S."""
-        deadline = time.monotonic() + CLEANUP_S
-        left: list[int] = []
-        while True:
-            for proc in self.procs.values():
-                if proc.poll() is None:
-                    with suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-            for pid in tagged_pids(TAG_ENV, self.tag):
-                with suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            for proc in self.procs.values():
-                with suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.1)
-            left = tagged_pids(TAG_ENV, self.tag)
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        left = kill_tagged(list(self.procs.values()), TAG_ENV, self.tag, CLEANUP_S)
         for log in self._logs:
             log.close()
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return left
-
-
-class TrialError(RuntimeError):
-    def __init__(self, reason: str, details: list[str]) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.details = details
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:

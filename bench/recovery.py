@@ -91,7 +91,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from _common import free_port, say, tagged_pids
+from _common import (
+    BenchError,
+    TrialError,
+    free_port,
+    kill_tagged,
+    listening_port,
+    say,
+    spawn_logged,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -303,17 +311,9 @@ class TrialRun:
         return self.dir / f"{name}.log"
 
     def spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.log_path(name), "wb")  # noqa: SIM115 - closed in cleanup()
-        self._logs.append(log)
-        self.procs[name] = subprocess.Popen(
-            argv,
-            cwd=self.dir,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc, log = spawn_logged(argv, cwd=self.dir, env=self.env, log_path=self.log_path(name))
+        self._logs.append(log)  # closed in cleanup()
+        self.procs[name] = proc
 
     def train_args(self) -> list[str]:
         return [
@@ -392,17 +392,10 @@ class TrialRun:
         )
 
     def _master_port(self) -> int:
-        deadline = time.monotonic() + MASTER_READY_S
-        pattern = re.compile(rb"listening on 127\.0\.0\.1:(\d+)")
-        master = self.procs["master"]
-        while time.monotonic() < deadline:
-            found = pattern.search(self.log_path("master").read_bytes())
-            if found:
-                return int(found.group(1))
-            if master.poll() is not None:
-                raise TrialError(f"the master exited with {master.returncode}", self.log_tails())
-            time.sleep(0.05)
-        raise TrialError(f"the master did not listen within {MASTER_READY_S:.0f} s", [])
+        try:
+            return listening_port(self.log_path("master"), self.procs["master"], MASTER_READY_S)
+        except BenchError as exc:
+            raise TrialError(str(exc), self.log_tails()) from None
 
     def _start_torchrun(self) -> None:
         port = free_port()
@@ -670,34 +663,10 @@ class TrialRun:
 
     def cleanup(self) -> list[int]:
         """SIGKILL every process of the trial; the pids still alive after CLEANUP_S."""
-        deadline = time.monotonic() + CLEANUP_S
-        left: list[int] = []
-        for _ in range(200):
-            for proc in self.procs.values():
-                if proc.poll() is None:
-                    with suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-            left = tagged_pids(TAG_ENV, self.tag)
-            for pid in left:
-                with suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            for proc in self.procs.values():
-                with suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.1)
-            left = tagged_pids(TAG_ENV, self.tag)
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        left = kill_tagged(list(self.procs.values()), TAG_ENV, self.tag, CLEANUP_S)
         for log in self._logs:
             log.close()
         return left
-
-
-class TrialError(RuntimeError):
-    def __init__(self, reason: str, details: list[str]) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.details = details
 
 
 def run_trial(

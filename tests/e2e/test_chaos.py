@@ -74,9 +74,11 @@ def test_one_fault_of_each_kind_is_survived_and_every_record_trained_once(
     for fault in result.faults:
         assert fault.ok, f"{fault.kind} was not survived: {fault.as_dict()}"
         assert fault.detect_s is not None and fault.full_s is not None
-        # Detection is read from the status, polled every POLL_S; an in-place
-        # restart can be back at full strength within that resolution.
-        assert fault.detect_s <= fault.full_s + chaos.POLL_S
+        # Detection is read from a polled status, and an in-place restart can
+        # be back at full strength before the poll that sees it (a poll takes
+        # longer than POLL_S under load). What must hold: the last status that
+        # showed no change was asked for before the world was full again.
+        assert (fault.since(fault.unchanged_at) or 0.0) <= fault.full_s
     assert not result.problems, result.problems
     assert result.discarded >= 0 and result.counted > 0
     assert 0.0 < result.goodput <= 1.0

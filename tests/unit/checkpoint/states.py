@@ -56,3 +56,21 @@ def sharded_images(tmp_path: Path, full: torch.Tensor, world: int) -> list[Image
         sources.append(BytesImage(files.encode_header(forged), body))
         start += rows.shape[0]
     return sources
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    """Restored equals saved (DCP's flattening turns dict keys into strings)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict)
+        by_name = {str(k): v for k, v in actual.items()}  # DCP's flattening makes keys str
+        assert set(by_name) == {str(k) for k in expected}
+        for key, value in expected.items():
+            assert_same(by_name[str(key)], value)
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert_same(a, e)
+    else:
+        assert actual == expected

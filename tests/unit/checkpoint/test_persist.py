@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from unit.checkpoint.states import sharded_images, training_state
+from unit.checkpoint.states import assert_same, sharded_images, training_state
 
 from dlfleet.worker.checkpoint.errors import (
     ImageChangedError,
@@ -49,19 +49,6 @@ def template_like(state: dict[str, Any]) -> dict[str, Any]:
     if isinstance(state, list):
         return [template_like(v) for v in state]
     return None
-
-
-def assert_same(actual: Any, expected: Any) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict)
-        by_name = {str(k): v for k, v in actual.items()}  # DCP's flattening makes keys str
-        assert set(by_name) == {str(k) for k in expected}
-        for key, value in expected.items():
-            assert_same(by_name[str(key)], value)
-    else:
-        assert actual == expected
 
 
 def test_a_persisted_image_loads_with_plain_dcp_load(tmp_path: Path) -> None:

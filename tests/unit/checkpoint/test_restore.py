@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from unit.checkpoint.states import sharded_images
+from unit.checkpoint.states import assert_same, sharded_images
 
 from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.errors import (
@@ -45,23 +45,6 @@ def training_state(seed: int) -> dict[str, Any]:
 def save(directory: Path, state: dict[str, Any], *, rank: int = 0, world: int = 1) -> Path:
     with ImageWriter(directory, rank=rank) as writer:
         return writer.write(1, state, round=0, world_size=world, protect=None).header_path
-
-
-def assert_same(actual: Any, expected: Any) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict)
-        by_name = {str(k): v for k, v in actual.items()}  # DCP's flattening makes keys str
-        assert set(by_name) == {str(k) for k in expected}
-        for key, value in expected.items():
-            assert_same(by_name[str(key)], value)
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected)
-        for a, e in zip(actual, expected, strict=True):
-            assert_same(a, e)
-    else:
-        assert actual == expected
 
 
 def test_a_fresh_model_and_optimizer_get_the_saved_values(tmp_path: Path) -> None:
