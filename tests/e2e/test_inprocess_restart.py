@@ -4,7 +4,8 @@
 What must hold: a surviving rank keeps its process across the world change
 (no interpreter, import or model build again); a killed rank is taken over by
 a spare the agent started ahead; a lost node's survivors go on in place in a
-smaller world; the job still ends with every agent exiting 0.
+smaller world; a node that joins a running job starts its workers warm, as
+spares, before it joins; the job still ends with every agent exiting 0.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def run(
         store = f"sqlite:///{tmp_path / 'master.db'}"
         master = master_process(
             store, "--min-nodes", str(min_nodes), "--max-nodes", str(max_nodes),
-            "--last-call-timeout", "0.3",
+            "--last-call-timeout", "0.3", "--heartbeat-interval", "0.5",
+            "--heartbeat-timeout", "5",
         )  # fmt: skip
         runs.append(Run(tmp_path, master, f"{min_nodes}:{max_nodes}"))
         return runs[-1]
@@ -160,3 +162,37 @@ def test_a_lost_node_leaves_its_peer_training_in_place_in_a_smaller_world(
     assert {line["pid"] for line in alone} == {pids[node_a_rank]}
     assert sorted(line["step"] for line in alone) == list(range(300))
     assert all(line["sum"] == 1.0 for line in alone)
+
+
+def test_a_node_joining_a_job_that_restarts_in_place_starts_its_workers_warm(
+    run: Callable[[int, int], Run],
+) -> None:
+    job = run(1, 2)
+    job.agent("a", steps=400)
+    job.wait(lambda: "restart in place" in job.log("a"), "node a's workers to opt in")
+    time.sleep(1.5)  # a heartbeat (every 0.5 s) tells the master
+    joined_at = time.time()
+    job.agent("b", steps=400)
+    job.wait(lambda: any(line["world"] == 2 for line in job.steps()), "a round of world size 2")
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.log("a"), job.log("b"))
+
+    b_log = job.log("b")
+    assert "warm start: 1 of 1 worker(s) warm" in b_log, b_log
+    assert "takes over local rank 0" in b_log, b_log
+    assert "no spare ready" not in b_log, b_log
+    both = [line for line in job.steps() if line["world"] == 2]
+    final_round = max(line["round"] for line in both)
+    final = [line for line in both if line["round"] == final_round]
+    for rank in (0, 1):
+        assert sorted(line["step"] for line in final if line["rank"] == rank) == list(range(400))
+    assert all(line["sum"] == 2.0 for line in final)
+    # Node a's rank kept its process; node b's trained in the process it had
+    # started (warm) before joining.
+    alone = [line for line in job.steps() if line["world"] == 1]
+    assert {line["pid"] for line in final if line["pid"] in {a["pid"] for a in alone}}
+    newcomer = [line for line in final if line["pid"] not in {a["pid"] for a in alone}]
+    assert newcomer and all(joined_at < line["started"] for line in newcomer)
+    last_alone = max(line["time"] for line in alone if line["time"] < newcomer[0]["time"])
+    first_together = min(line["time"] for line in both)
+    print(f"node a waited {first_together - last_alone:.2f}s for the newcomer")

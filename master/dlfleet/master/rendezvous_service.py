@@ -109,6 +109,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
                 self.state.nodes.heartbeat(node_id, incarnation, now)
                 if message.HasField("metrics"):
                     self.metrics[node_id] = (message.metrics, now)
+                if message.restarts_in_place:
+                    self.state.restarts_in_place = True
 
     async def _session_ended(self, node_id: str, incarnation: int) -> None:
         """A session that ends while its node is live means the agent died

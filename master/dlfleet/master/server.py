@@ -200,6 +200,7 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             incarnation=record.incarnation,
             heartbeat_interval_ms=liveness.heartbeat_interval_ms,
             heartbeat_timeout_ms=liveness.heartbeat_timeout_ms,
+            restarts_in_place=self.state.restarts_in_place,
         )
 
     @rpc

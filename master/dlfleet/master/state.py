@@ -66,6 +66,10 @@ class MasterState:
         self.nodes = NodeTable(settings.liveness)
         self.rendezvous = Rendezvous(settings.rendezvous)
         self.checkpoints = CheckpointTable(settings.checkpoints)
+        # The job's workers restart in place (a node's heartbeat said so); told to
+        # nodes as they register, so they start their workers warm. Not
+        # journaled: after a master restart the next heartbeat says it again.
+        self.restarts_in_place = False
         self._store = store
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()

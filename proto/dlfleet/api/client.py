@@ -571,6 +571,8 @@ class AgentSession:
         # What the next heartbeat tells about the node's training (set by the
         # agent; None until it has measured something).
         self.metrics: rendezvous_pb2.NodeMetrics | None = None
+        # Set by the agent once its workers run `dlfleet.elastic.run`.
+        self.restarts_in_place = False
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
 
@@ -608,7 +610,10 @@ class AgentSession:
     ) -> None:
         while True:
             message = rendezvous_pb2.SessionMessage(
-                node_id=self.node_id, incarnation=self.incarnation, round=self.round
+                node_id=self.node_id,
+                incarnation=self.incarnation,
+                round=self.round,
+                restarts_in_place=self.restarts_in_place,
             )
             if self.metrics is not None:
                 message.metrics.CopyFrom(self.metrics)

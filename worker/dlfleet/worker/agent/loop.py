@@ -71,6 +71,9 @@ CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
 # recovering ranks want).
 ABORT_TIMEOUT_S = 10.0
 SPARE_DELAY_S = 3.0
+# A node of a job whose workers restart in place starts them as spares and
+# joins once they are warm, or after this long with those that are.
+WARM_START_TIMEOUT_S = 60.0
 # Variables that name one rank: a spare has none until it takes over a rank.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
 
@@ -186,6 +189,8 @@ class Agent:
         self.server, self.keeper = self._start_server()
         phase: Phase = Joining(restart_count=0)
         try:
+            if registered.restarts_in_place and self.config.spares > 0:
+                self._warm_start()
             while not isinstance(phase, FINAL):
                 phase = self.step(phase)
         finally:
@@ -286,33 +291,16 @@ class Agent:
             assignment.bootstrap_host,
             assignment.bootstrap_port,
         )
-        attempt_dir = attempt_log_dir(self.log_dir, assignment.round)
-        assert self.server is not None
-        envs = worker_environments(
-            self.config,
-            assignment,
-            phase.restart_count,
-            attempt_dir,
-            self.config.master,
-            agent_environ=os.environ,
-            extra={
-                NODE_ID_ENV: self.node_id,
-                TOKEN_ENV: self.config.token,
-                AGENT_ENV: self.server.local_address,
-                CHECKPOINT_DIR_ENV: str(self.keeper.own_dir) if self.keeper else "",
-            },
-        )
-        self.progress_dir = attempt_dir / "progress"
+        self._envs = self._environments(assignment, phase.restart_count)
+        self.progress_dir = attempt_log_dir(self.log_dir, assignment.round) / "progress"
         self.progress_dir.mkdir(parents=True, exist_ok=True)
-        for local_rank, env in enumerate(envs):
-            env[PROGRESS_ENV] = str(self.progress_dir / str(local_rank))
-        self._envs = envs
-        if self.group is not None and self.opted_in:
+        if self.group is not None and (self.opted_in or not self.group.pids):
+            # Restarting in place, or the first round of a warm start.
             self._continue_in_process(assignment, phase.restart_count)
         else:
             self._stop_workers()
             self.group = WorkerGroup()
-            self.group.start(self.config, envs, self.log_dir, assignment.round)
+            self.group.start(self.config, self._envs, self.log_dir, assignment.round)
             for local_rank, pid in enumerate(self.group.pids):
                 self.orders.expect(
                     pid, self._run_order(assignment, local_rank, phase.restart_count)
@@ -323,6 +311,30 @@ class Agent:
         self.sampler.peak_rss = peak
         self._sampled_at = time.monotonic()
         return Running(assignment, phase.restart_count)
+
+    def _environments(
+        self, assignment: RoundAssignment, restart_count: int
+    ) -> list[dict[str, str]]:
+        """The workers' environments for a round, by local rank."""
+        attempt_dir = attempt_log_dir(self.log_dir, assignment.round)
+        assert self.server is not None
+        envs = worker_environments(
+            self.config,
+            assignment,
+            restart_count,
+            attempt_dir,
+            self.config.master,
+            agent_environ=os.environ,
+            extra={
+                NODE_ID_ENV: self.node_id,
+                TOKEN_ENV: self.config.token,
+                AGENT_ENV: self.server.local_address,
+                CHECKPOINT_DIR_ENV: str(self.keeper.own_dir) if self.keeper else "",
+            },
+        )
+        for local_rank, env in enumerate(envs):
+            env[PROGRESS_ENV] = str(attempt_dir / "progress" / str(local_rank))
+        return envs
 
     def _watch(self, phase: Running) -> Phase:
         """Poll the workers; wake at once for a push from the master."""
@@ -376,12 +388,57 @@ class Agent:
             self.orders.send(pid, abort)
         self._aborted_round = round_
 
+    def _warm_start(self) -> None:
+        """Start this node's workers as spares and wait, up to
+        WARM_START_TIMEOUT_S, until they are warm, then join.
+
+        Joining ends the running nodes' round, and they wait for this node's
+        processes in the next one: a cold start there (interpreter, imports,
+        process-group set-up) is a stall of the whole job. The master says
+        whether the job's workers restart in place: only a script that runs
+        `dlfleet.elastic.run` can wait as a spare."""
+        assert self.session is not None
+        provisional = RoundAssignment(
+            round=0,
+            group_rank=0,
+            group_world_size=1,
+            local_world_sizes=(self.config.nproc_per_node,),
+            bootstrap_host=self.host,
+            bootstrap_port=1,
+        )  # a placeholder: a spare's round, ranks and store come with its run order
+        env = {
+            k: v
+            for k, v in self._environments(provisional, 0)[0].items()
+            if k not in _RANK_VARIABLES
+        }
+        env[SPARE_ENV] = "1"
+        self.group = WorkerGroup()
+        for _ in range(self.config.nproc_per_node):
+            self.group.start_spare(self.config, env, self.log_dir)
+        started = time.monotonic()
+        while time.monotonic() - started < WARM_START_TIMEOUT_S and not self.preempted.is_set():
+            for failure in self.group.reap_spares():
+                _log.warning("a warm-start process ended: %s", failure.message.strip()[-300:])
+            warm = [pid for pid in self.orders.spares() if pid in self.group.spare_pids]
+            if len(warm) >= self.config.nproc_per_node or not self.group.spare_pids:
+                break
+            time.sleep(0.05)
+        _log.info(
+            "warm start: %d of %d worker(s) warm after %.2fs; joining",
+            len([pid for pid in self.orders.spares() if pid in self.group.spare_pids]),
+            self.config.nproc_per_node,
+            time.monotonic() - started,
+        )
+        self._spares_due = time.monotonic() + SPARE_DELAY_S
+
     def _note_opt_in(self) -> None:
         """Every worker of the round attached: the script restarts in place."""
         if self.opted_in or self.group is None:
             return
         if all(self.orders.attached(pid) for pid in self.group.pids):
             self.opted_in = True
+            if self.session is not None:
+                self.session.restarts_in_place = True
             _log.info(
                 "the workers restart in place (dlfleet.elastic); %d spare(s)", self.config.spares
             )
@@ -423,7 +480,8 @@ class Agent:
     def _continue_in_process(self, assignment: RoundAssignment, restart_count: int) -> None:
         """The next round with the same processes: survivors get their new
         ranks, a dead or stuck rank is taken over by a spare (or, with none
-        ready, by a new process)."""
+        ready, by a new process). After a warm start the group has no ranks
+        yet: spares take them all."""
         assert self.group is not None
         group = self.group
         stuck = self.orders.wait_left(group.pids, self._aborted_round, ABORT_TIMEOUT_S)
@@ -441,14 +499,16 @@ class Agent:
             time.sleep(0.01)
         group.begin_round()
         spares = [pid for pid in self.orders.spares() if pid in group.spare_pids]
-        for local_rank, pid in enumerate(group.pids):
+        seated = len(group.pids)
+        for local_rank in range(self.config.nproc_per_node):
+            pid = group.pids[local_rank] if local_rank < seated else 0
             order = self._run_order(assignment, local_rank, restart_count)
             error_file = Path(self._envs[local_rank]["TORCHELASTIC_ERROR_FILE"])
             # A worker that finished its training as the round ended is on its
             # way out: the new round needs a process for its rank all the same
             # (it finds the data done and finishes too).
             finishing = (self.orders.state(pid) or ("", 0))[0] == "finished"
-            if group.alive(local_rank) and not finishing:
+            if pid and group.alive(local_rank) and not finishing:
                 group.set_error_file(local_rank, error_file)
                 self.orders.expect(pid, order)
             elif spares:

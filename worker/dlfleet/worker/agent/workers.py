@@ -310,17 +310,17 @@ class WorkerGroup:
         return [self._describe(w) for w in dead]
 
     def promote(self, local_rank: int, pid: int, error_file: Path | None) -> None:
-        """Spare `pid` takes over `local_rank`; the process it replaces (dead,
-        or killed as hung) is retired."""
+        """Spare `pid` takes over `local_rank`: the process it replaces (dead,
+        or killed as hung) is retired, or, in a group started from spares
+        alone (a warm start), it is the rank's first process."""
         spare = next(w for w in self._spares if w.proc.pid == pid)
         self._spares.remove(spare)
-        self._retired.append(self._workers[local_rank])
         spare.local_rank = local_rank
         spare.error_file = error_file
         if error_file is not None:
             error_file.parent.mkdir(parents=True, exist_ok=True)
             error_file.unlink(missing_ok=True)
-        self._workers[local_rank] = spare
+        self._seat(local_rank, spare)
 
     def replace(
         self,
@@ -334,9 +334,19 @@ class WorkerGroup:
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         command = die_with_parent(worker_command(config, python))
         rank_dir = attempt_log_dir(log_dir, round_id) / str(local_rank)
-        self._retired.append(self._workers[local_rank])
-        self._workers[local_rank] = self._start_one(config, command, env, rank_dir, local_rank)
-        return self._workers[local_rank].proc.pid
+        worker = self._start_one(config, command, env, rank_dir, local_rank)
+        self._seat(local_rank, worker)
+        return worker.proc.pid
+
+    def _seat(self, local_rank: int, worker: _Worker) -> None:
+        if local_rank < len(self._workers):
+            self._retired.append(self._workers[local_rank])
+            self._workers[local_rank] = worker
+        elif local_rank == len(self._workers):  # filling a group seated rank by rank
+            self._workers.append(worker)
+        else:
+            raise IndexError(f"local rank {local_rank} seated before {len(self._workers)}")
+        self._started = True
 
     def set_error_file(self, local_rank: int, error_file: Path | None) -> None:
         """A surviving process's error file for its next round."""
