@@ -69,7 +69,9 @@ CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
 # before it is killed (and replaced), and how long after a round starts the
 # agent waits before starting a new spare (its start-up costs CPU that the
 # recovering ranks want).
-ABORT_TIMEOUT_S = 10.0
+# How long a worker gets to leave an aborted round before it is taken for
+# hung and killed (its rank goes to a spare). Leaving takes milliseconds.
+ABORT_TIMEOUT_S = 3.0
 SPARE_DELAY_S = 3.0
 # A node of a job whose workers restart in place starts them as spares and
 # joins once they are warm, or after this long with those that are.
@@ -364,8 +366,9 @@ class Agent:
             return Restarting(state.failure, phase.restart_count)
         hung = self._hung_rank()
         if hung is not None:
-            if self.opted_in:
-                self.group.kill(hung.local_rank)
+            # Restarting in place, the rank that stalled may only be waiting
+            # for a peer that hung: the abort sorts them out (a rank that
+            # cannot leave its round is killed, see _continue_in_process).
             self._end_round(phase.assignment.round, "a local worker hung")
             return Restarting(hung, phase.restart_count)
         self._note_opt_in()
@@ -484,7 +487,11 @@ class Agent:
         yet: spares take them all."""
         assert self.group is not None
         group = self.group
-        stuck = self.orders.wait_left(group.pids, self._aborted_round, ABORT_TIMEOUT_S)
+        # A stopped process (SIGSTOP, a tracer) cannot leave: no need to wait.
+        stopped = {pid for pid in group.pids if process_stopped(pid)}
+        stuck = stopped | self.orders.wait_left(
+            set(group.pids) - stopped, self._aborted_round, ABORT_TIMEOUT_S
+        )
         for local_rank, pid in enumerate(group.pids):
             if pid in stuck:
                 _log.error(
@@ -508,7 +515,7 @@ class Agent:
             # way out: the new round needs a process for its rank all the same
             # (it finds the data done and finishes too).
             finishing = (self.orders.state(pid) or ("", 0))[0] == "finished"
-            if pid and group.alive(local_rank) and not finishing:
+            if pid and pid not in stuck and group.alive(local_rank) and not finishing:
                 group.set_error_file(local_rank, error_file)
                 self.orders.expect(pid, order)
             elif spares:
@@ -592,6 +599,15 @@ class Agent:
             self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
         except DlfleetError as error:
             _log.warning("could not leave the rendezvous cleanly: %s", error)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped by a signal or a tracer (state T or t)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
 
 
 def _ring_peer(addresses: list[str], group_rank: int) -> str | None:

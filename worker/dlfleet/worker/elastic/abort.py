@@ -14,8 +14,14 @@ process group was set up (the gloo pairs and the store client) and, on
 thread takes a failed accept() for a fatal error). The training thread's
 collective then raises at once, and its peers', whose pairs it closed, too.
 
-Invariant: the sockets are only touched between `arm()` and `disarm()`, so
-a file descriptor number reused after the group is destroyed is never shut.
+An abort while the group is still forming (between `before_init()` and
+`arm()`: rank 0 waiting in the store for ranks that will never come, say)
+shuts the sockets opened since `before_init()` the same way: the store's
+pending wait fails at once instead of at the group's timeout.
+
+Invariant: the sockets are only touched between `before_init()` and
+`disarm()`, so a file descriptor number reused after the group is destroyed
+is never shut.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class CollectiveAbort:
         self._baseline: set[int] = set()
         self._fds: set[int] = set()
         self._group: Any = None
+        self._forming = False
         self.aborted = threading.Event()
 
     def before_init(self) -> None:
@@ -79,6 +86,7 @@ class CollectiveAbort:
             self._baseline = socket_fds()
             self._fds = set()
             self._group = None
+            self._forming = True
             self.aborted.clear()
 
     def arm(self, group: Any) -> None:
@@ -86,17 +94,21 @@ class CollectiveAbort:
         with self._lock:
             self._fds = socket_fds() - self._baseline
             self._group = group
+            self._forming = False
 
     def disarm(self) -> None:
         with self._lock:
             self._fds = set()
             self._group = None
+            self._forming = False
 
     def abort(self) -> None:
         """Make the group's pending and future collectives fail now."""
         with self._lock:
             self.aborted.set()
             group, fds = self._group, set(self._fds)
+            if self._forming:  # the store and pairs made so far
+                fds = socket_fds() - self._baseline
             if group is None and not fds:
                 return
             self._abort_nccl(group)

@@ -34,6 +34,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -297,7 +298,9 @@ class _InProcess:
             if order.rank != 0:
                 # A client that finds no server backs off for up to a second
                 # before trying again: knock first, cheaply.
-                _wait_for_listener(order.store_host, order.store_port, self.timeout)
+                _wait_for_listener(
+                    order.store_host, order.store_port, self.timeout, self.abort.aborted
+                )
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 order.store_host,
                 order.store_port,
@@ -404,10 +407,13 @@ def warm_up(backend: str | None) -> None:
     _log.info("spare warmed up in %.2fs", time.monotonic() - started)
 
 
-def _wait_for_listener(host: str, port: int, timeout: timedelta) -> None:
-    """Until something accepts connections on host:port, or `timeout`."""
+def _wait_for_listener(host: str, port: int, timeout: timedelta, aborted: threading.Event) -> None:
+    """Until something accepts connections on host:port, `timeout`, or an
+    abort (raises Interrupted)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
+        if aborted.is_set():
+            raise Interrupted("the round ended before its store was up")
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return
