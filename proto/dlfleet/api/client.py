@@ -134,6 +134,12 @@ class MasterClient:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # A master that restarts is back in about a second: reconnect
+            # within 0.1-1 s of it, not after gRPC's default 1-120 s back-off
+            # (every call fails fast while the channel waits to reconnect).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if channel is not None:
             self._channel = channel
