@@ -62,8 +62,8 @@ from dlfleet.master.platform import (
     describe_exit,
 )
 from dlfleet.master.platform.local import LocalPlatform
-from dlfleet.master.rpc import rpc
-from dlfleet.master.server import TokenInterceptor, load_tls_pair
+from dlfleet.master.service.rpc import rpc
+from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
 from dlfleet.master.supervised import SupervisedMaster
 
 _log = logging.getLogger(__name__)
