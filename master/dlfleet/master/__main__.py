@@ -1,6 +1,6 @@
 """`dlmaster`: run a job, or the master's gRPC server alone.
 
-    dlmaster --job-config job.yaml          # run a whole job (see jobconfig.py)
+    dlmaster --job-config job.yaml          # run a whole job (see job/jobconfig.py)
     dlmaster scale --job-config job.yaml --nodes 2
     dlmaster status --job-config job.yaml
     dlmaster --port 50051 --state-store sqlite:///job.db --token-file token.txt
@@ -8,6 +8,12 @@
 Serve mode prints `listening on HOST:PORT` once it accepts requests. Either
 way, a master started again on the same store continues where the last one
 stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts.
+
+This module only parses the flags and dispatches: serve mode becomes the master
+service process (`dlfleet.master.service.app`); `--job-config` the job
+supervisor process (`dlfleet.master.job.run_job`); `scale` and `status` a
+short-lived client (`dlfleet.master.job.control`). The supervisor's modules are
+imported only when asked for.
 """
 
 from __future__ import annotations
@@ -128,13 +134,13 @@ def _settings(args: argparse.Namespace) -> MasterSettings:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("scale", "status"):
-        from dlfleet.master.control import control_main
+        from dlfleet.master.job.control import control_main
 
         return control_main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.job_config is not None:
-        from dlfleet.master.run_job import run_job_main
+        from dlfleet.master.job.run_job import run_job_main
 
         return run_job_main(args.job_config, args.log_level)
     if not 0 <= args.port <= 65535:

@@ -3,7 +3,7 @@ the group committer's futures to the event loop, and the one place where
 domain errors become status codes.
 
 Lives in the master service process; the job supervisor's control service
-(`dlfleet.master.job`) uses `rpc` too.
+(`dlfleet.master.job.runner`) uses `rpc` too.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ before any event is applied; it is answered with the status code from
 `dlfleet.api.status` and changes nothing.
 
 Lives in the master service process; the job supervisor's control service
-(`dlfleet.master.job`) authenticates with the same `TokenInterceptor`
+(`dlfleet.master.job.runner`) authenticates with the same `TokenInterceptor`
 and reads its TLS pair with `load_tls_pair`.
 """
 
