@@ -1,5 +1,5 @@
-"""Benchmark driver for dlfleet's master, run by bench/_harness.py under dlfleet's
-own virtual environment (.venv).
+"""Benchmark driver for dlfleet's master, run by bench/_harness.py under the
+interpreter that runs the bench (the one dlfleet is installed in).
 
 Two modes (option `mode`):
 

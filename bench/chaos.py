@@ -4,9 +4,9 @@ must be exact, the job must have succeeded, and the bench says how long each
 fault took to detect and to recover from, and how much of the wall time went
 into training (goodput).
 
-    .venv/bin/python bench/chaos.py                      # 10 minutes, a fault every 30-60 s
-    .venv/bin/python bench/chaos.py --minutes 2 --fault-every 10:20 --seed 7
-    .venv/bin/python bench/chaos.py --faults 5 --kinds kill-worker,hang-worker --keep
+    python bench/chaos.py                      # 10 minutes, a fault every 30-60 s
+    python bench/chaos.py --minutes 2 --fault-every 10:20 --seed 7
+    python bench/chaos.py --faults 5 --kinds kill-worker,hang-worker --keep
 
 The job: the quickstart's shape (examples/quickstart/job.yaml: nodes 1..2,
 starting 2, one process each, DDP on CPU over gloo, rendezvous last call 1 s,

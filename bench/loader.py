@@ -2,9 +2,9 @@
 torch's `DataLoader` + `DistributedSampler` under `torchrun`, and with dlfleet's
 `ShardedDataLoader` under `dlworker` (leasing from a `dlmaster`), side by side.
 
-    .venv/bin/python bench/loader.py                  # 5 trials, num_workers 0 and 2
-    .venv/bin/python bench/loader.py --quick          # 3 trials, num_workers=0
-    .venv/bin/python bench/loader.py --shard-batches 0,32 --num-workers 0
+    python bench/loader.py                  # 5 trials, num_workers 0 and 2
+    python bench/loader.py --quick          # 3 trials, num_workers=0
+    python bench/loader.py --shard-batches 0,32 --num-workers 0
 
 The job (both systems, same script bench/_loader_train.py, same Python): one
 node x 2 processes on this machine, DDP over gloo (GLOO_SOCKET_IFNAME=lo,
@@ -133,7 +133,7 @@ from _common import (
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 TRAIN = BENCH / "_loader_train.py"
-VENV_BIN = ROOT / ".venv" / "bin"
+BIN = Path(sys.executable).parent  # torchrun, dlmaster, dlworker: beside this interpreter
 NPROC = 2
 GOAL_RATIO = 0.98
 TAG_ENV = "LOADER_BENCH_TAG"
@@ -266,7 +266,7 @@ class TrialRun:
     def argv(self) -> list[str]:
         if self.system.launcher == "torchrun":
             return [
-                str(VENV_BIN / "torchrun"),
+                str(BIN / "torchrun"),
                 "--standalone",
                 "--nnodes",
                 "1",
@@ -280,7 +280,7 @@ class TrialRun:
         self.master = ServerProcess(
             "dlmaster",
             [
-                str(VENV_BIN / "dlmaster"),
+                str(BIN / "dlmaster"),
                 "--port",
                 str(port),
                 "--state-store",
@@ -292,7 +292,7 @@ class TrialRun:
         )
         self.master.wait_ready(port)
         return [
-            str(VENV_BIN / "dlworker"),
+            str(BIN / "dlworker"),
             "--master",
             f"127.0.0.1:{port}",
             "--nnodes",

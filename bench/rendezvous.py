@@ -1,9 +1,9 @@
 """Rendezvous benchmark: N agents form a world through dlfleet's master and, in
 the same run, through torch's c10d rendezvous; N = 8, 32, 128, 512.
 
-    .venv/bin/python bench/rendezvous.py              # N = 8, 32, 128, 512
-    .venv/bin/python bench/rendezvous.py --quick      # N = 8, 32
-    .venv/bin/python bench/rendezvous.py --sizes 8,64
+    python bench/rendezvous.py              # N = 8, 32, 128, 512
+    python bench/rendezvous.py --quick      # N = 8, 32
+    python bench/rendezvous.py --sizes 8,64
 
 What is measured: the wall time from "all N agents start joining" to "every
 agent has its rendezvous result", i.e. the largest completion time over the N
@@ -20,7 +20,7 @@ agents of one run, for
 
 Same rules for both: min_nodes = max_nodes = N, so a round completes the moment
 its N-th node has joined (c10d never waits out its last-call timeout; nor does
-ours). Same harness (bench/_rdzv_harness.py), same Python (.venv), same layout:
+ours). Same harness (bench/_rdzv_harness.py), same Python (this one), same layout:
 the N agents are threads, one per agent, spread evenly over K = min(N, --procs)
 processes. The default K = 4 is the layout that gave c10d its best times on the
 2-core machine this was written on (at 128 nodes: K = 1, 11-25 s; K = 2,
@@ -84,7 +84,7 @@ from _common import BenchError, ServerProcess, free_port, kill_group, load_drive
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 HARNESS = BENCH / "_rdzv_harness.py"
-PYTHON = ROOT / ".venv" / "bin" / "python"
+PYTHON = Path(sys.executable)
 SYSTEMS = ("c10d", "dlfleet")
 SIZES = (8, 32, 128, 512)
 QUICK_SIZES = (8, 32)

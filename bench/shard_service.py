@@ -1,7 +1,7 @@
 """Shard-service benchmark: dlfleet's master against DLRover's, same harness.
 
-    .venv/bin/python bench/shard_service.py            # 3 runs of 5 s per level
-    .venv/bin/python bench/shard_service.py --quick    # ~2 s per level
+    python bench/shard_service.py            # 3 runs of 5 s per level
+    python bench/shard_service.py --quick    # ~2 s per level
 
 What is measured: clients that do nothing but lease a shard and acknowledge it
 (report it done), back to back, against a real master over gRPC on 127.0.0.1.
@@ -87,7 +87,7 @@ from _common import BenchError, ServerProcess, free_port, kill_group, say
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "bench" / "_harness.py"
-DLFLEET_PYTHON = ROOT / ".venv" / "bin" / "python"
+DLFLEET_PYTHON = Path(sys.executable)
 DLROVER_VENV = ROOT / ".bench-venv-dlrover"
 DLROVER_PYTHON = DLROVER_VENV / "bin" / "python"
 DLROVER_REQUIREMENTS = ["dlrover[k8s]==0.6.1", "protobuf<5"]

@@ -72,7 +72,7 @@ def loop_thread() -> Iterator[LoopThread]:
 def start_master(loop_thread: LoopThread, store_url: str) -> Iterator[Callable[..., Running]]:
     """start(settings=None, port=0) -> Running: an in-process master on the
     test's store; `start.stop(running)` stops one early. All stop at the end."""
-    from dlfleet.master.state import MasterSettings
+    from dlfleet.master.service.state import MasterSettings
 
     running: list[Running] = []
 

@@ -129,8 +129,8 @@ TOKEN = "test-token"
 class Running:
     """An in-process master on a LoopThread, and a client to it."""
 
-    server: Any  # dlfleet.master.server.MasterServer
-    state: Any  # dlfleet.master.state.MasterState
+    server: Any  # dlfleet.master.service.server.MasterServer
+    state: Any  # dlfleet.master.service.state.MasterState
     client: Any  # dlfleet.api.client.MasterClient
     stopped: bool = field(default=False)
 
@@ -143,9 +143,9 @@ def start_in_process(
     loop_thread: LoopThread, store_url: str, settings: Any, port: int = 0
 ) -> Running:
     from dlfleet.api.client import MasterClient
-    from dlfleet.master.rpc import system_clock
-    from dlfleet.master.server import MasterServer
-    from dlfleet.master.state import MasterState
+    from dlfleet.master.service.rpc import system_clock
+    from dlfleet.master.service.server import MasterServer
+    from dlfleet.master.service.state import MasterState
     from dlfleet.master.store.sql import open_store
 
     state = MasterState.recover(open_store(store_url), settings, system_clock())

@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from kubetest.cluster import KubeCluster
 from kubetest.kubelet import TestKubelet
 
-from dlfleet.master.jobconfig import parse_job_config
+from dlfleet.master.job.jobconfig import parse_job_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kube, pytest.mark.timeout(300)]
 

@@ -20,7 +20,6 @@ from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_status
 from dlfleet.api.v1 import brain_pb2, brain_pb2_grpc
 from dlfleet.brain import wire
 from dlfleet.brain.records import JobReport, MetricsBatch, Plan, PlanId, PlanRequest
-from dlfleet.brain.server import SERVICE_NAME
 
 Resp = TypeVar("Resp")
 
@@ -94,7 +93,7 @@ class RemoteBrain:
         """Whether the service answers SERVING (a health check needs no token)."""
         try:
             reply = self._health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=timeout_s
             )
         except grpc.RpcError:
             return False

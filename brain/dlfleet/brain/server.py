@@ -30,7 +30,6 @@ from dlfleet.brain.records import PlanId
 
 _log = logging.getLogger(__name__)
 
-SERVICE_NAME = "dlfleet.api.v1.Brain"
 _HEALTH = "/grpc.health.v1.Health/"
 MAX_DETAILS_BYTES = 2_000  # status details past the client's metadata limit are refused
 
@@ -195,7 +194,7 @@ class BrainServer:
         if port == 0:
             raise DlfleetError(f"could not bind the brain to {self._address}")
         server.start()
-        for name in ("", SERVICE_NAME):
+        for name in ("", wire.SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server, self.port = server, port
         return port

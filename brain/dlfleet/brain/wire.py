@@ -1,5 +1,7 @@
-"""Records to and from `dlfleet.api.v1.brain_pb2`. Decoding checks every field
-(through the records' own checks), so a bad request is InvalidArgument."""
+"""Records to and from `dlfleet.api.v1.brain_pb2`, and the Brain service's name.
+Decoding checks every field (through the records' own checks), so a bad request
+is InvalidArgument. Both ends of the wire import this module: the server
+(`server.py`) and the client (`client.py`), never one the other."""
 
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ from dlfleet.brain.records import (
     RoundMetrics,
     SizeThroughput,
 )
+
+# The Brain service's full name, as the health service knows it: the server
+# marks it SERVING, the client's readiness probe asks for it.
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Brain"].full_name
 
 _STATUS: dict[JobStatus, pb.BrainJobStatus.ValueType] = {
     JobStatus.RUNNING: pb.BRAIN_JOB_STATUS_RUNNING,

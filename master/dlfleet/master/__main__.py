@@ -1,6 +1,6 @@
 """`dlmaster`: run a job, or the master's gRPC server alone.
 
-    dlmaster --job-config job.yaml          # run a whole job (see jobconfig.py)
+    dlmaster --job-config job.yaml          # run a whole job (see job/jobconfig.py)
     dlmaster scale --job-config job.yaml --nodes 2
     dlmaster status --job-config job.yaml
     dlmaster --port 50051 --state-store sqlite:///job.db --token-file token.txt
@@ -8,6 +8,12 @@
 Serve mode prints `listening on HOST:PORT` once it accepts requests. Either
 way, a master started again on the same store continues where the last one
 stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts.
+
+This module only parses the flags and dispatches: serve mode becomes the master
+service process (`dlfleet.master.service.app`); `--job-config` the job
+supervisor process (`dlfleet.master.job.run_job`); `scale` and `status` a
+short-lived client (`dlfleet.master.job.control`). The supervisor's modules are
+imported only when asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -24,10 +29,9 @@ from dlfleet.api.errors import DlfleetError
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
-from dlfleet.master.rpc import system_clock
-from dlfleet.master.server import MasterServer, load_tls_pair
-from dlfleet.master.state import MasterSettings, MasterState
-from dlfleet.master.store.sql import open_store
+from dlfleet.master.service.app import serve
+from dlfleet.master.service.server import load_tls_pair
+from dlfleet.master.service.state import MasterSettings
 
 TOKEN_ENV = "DLFLEET_TOKEN"
 
@@ -115,8 +119,8 @@ def _tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[byt
         parser.error(str(exc))
 
 
-async def _serve(args: argparse.Namespace, token: str) -> None:
-    settings = MasterSettings(
+def _settings(args: argparse.Namespace) -> MasterSettings:
+    return MasterSettings(
         job_name=args.job_name,
         shard=ShardSettings(lease_timeout_ms=int(args.lease_timeout * 1000)),
         liveness=LivenessSettings(
@@ -125,34 +129,18 @@ async def _serve(args: argparse.Namespace, token: str) -> None:
         ),
         rendezvous=args.rendezvous,
     )
-    store = open_store(args.store)
-    state = MasterState.recover(store, settings, system_clock())
-    server = MasterServer(state, token=token, host=args.host, port=args.port, tls=args.tls)
-    port = await server.start()
-    if args.forget_nodes:
-        assert server.membership is not None
-        for record in list(state.nodes.nodes.values()):
-            await server.membership.node_lost(record.node_id, "its master was restarted")
-    print(f"dlmaster: listening on {args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
-    state.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("scale", "status"):
-        from dlfleet.master.control import control_main
+        from dlfleet.master.job.control import control_main
 
         return control_main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.job_config is not None:
-        from dlfleet.master.run_job import run_job_main
+        from dlfleet.master.job.run_job import run_job_main
 
         return run_job_main(args.job_config, args.log_level)
     if not 0 <= args.port <= 65535:
@@ -175,7 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     token = _token(args, parser)
     args.tls = _tls(args, parser)
     try:
-        asyncio.run(_serve(args, token))
+        asyncio.run(
+            serve(
+                _settings(args),
+                store_url=args.store,
+                token=token,
+                host=args.host,
+                port=args.port,
+                tls=args.tls,
+                forget_nodes=args.forget_nodes,
+            )
+        )
     except DlfleetError as exc:
         print(f"dlmaster: {exc}", file=sys.stderr)
         return 1

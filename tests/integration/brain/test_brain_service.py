@@ -34,7 +34,8 @@ from dlfleet.brain.records import (
     RoundMetrics,
 )
 from dlfleet.brain.reporter import BrainReporter, ReporterSettings
-from dlfleet.brain.server import SERVICE_NAME, BrainServer
+from dlfleet.brain.server import BrainServer
+from dlfleet.brain.wire import SERVICE_NAME
 
 pytestmark = pytest.mark.integration
 

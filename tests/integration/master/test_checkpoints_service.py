@@ -22,7 +22,7 @@ from dlfleet.master.core.checkpoint_events import ImageCopy
 from dlfleet.master.core.checkpoints import CheckpointReport, PersistedStep
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
-from dlfleet.master.state import CHECKPOINTS_STREAM, MasterSettings, MasterState
+from dlfleet.master.service.state import CHECKPOINTS_STREAM, MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
 pytestmark = pytest.mark.integration

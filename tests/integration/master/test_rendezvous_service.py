@@ -20,7 +20,7 @@ from dlfleet.api.errors import StaleError
 from dlfleet.api.v1 import rendezvous_pb2, shards_pb2
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
-from dlfleet.master.state import MasterSettings
+from dlfleet.master.service.state import MasterSettings
 
 pytestmark = pytest.mark.integration
 

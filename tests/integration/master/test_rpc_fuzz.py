@@ -44,7 +44,7 @@ from dlfleet.master.core.datasets import DatasetConfig
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
-from dlfleet.master.state import MasterSettings
+from dlfleet.master.service.state import MasterSettings
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from dlfleet.api.errors import InvalidArgument, NotFound, StaleError, Unauthenti
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.shards import ShardSettings
-from dlfleet.master.state import MasterSettings
+from dlfleet.master.service.state import MasterSettings
 
 pytestmark = pytest.mark.integration
 

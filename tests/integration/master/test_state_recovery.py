@@ -11,7 +11,7 @@ import pytest
 from dlfleet.master.core.codec import dump_dataset
 from dlfleet.master.core.datasets import DatasetConfig
 from dlfleet.master.core.shards import RankConsumer, RoundConsumer, ShardSettings
-from dlfleet.master.state import CHECKPOINT, DATASET_PREFIX, MasterSettings, MasterState
+from dlfleet.master.service.state import CHECKPOINT, DATASET_PREFIX, MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
 pytestmark = pytest.mark.integration

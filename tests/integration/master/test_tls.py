@@ -39,9 +39,9 @@ def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
 
 @pytest.fixture
 def tls_master(tmp_path: Path, loop_thread: LoopThread) -> Iterator[tuple[int, bytes]]:
-    from dlfleet.master.rpc import system_clock
-    from dlfleet.master.server import MasterServer, load_tls_pair
-    from dlfleet.master.state import MasterSettings, MasterState
+    from dlfleet.master.service.rpc import system_clock
+    from dlfleet.master.service.server import MasterServer, load_tls_pair
+    from dlfleet.master.service.state import MasterSettings, MasterState
     from dlfleet.master.store.sql import open_store
 
     cert, key = make_cert(tmp_path, "master")

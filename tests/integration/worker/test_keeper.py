@@ -19,7 +19,7 @@ from harness import TOKEN, Running
 from dlfleet.api.client import MasterClient
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.master.core.rendezvous import RendezvousSettings
-from dlfleet.master.state import MasterSettings
+from dlfleet.master.service.state import MasterSettings
 from dlfleet.worker.agent.keeper import ImageKeeper, remove_stale_folders
 from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.orders import WorkerOrders

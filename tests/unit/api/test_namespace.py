@@ -32,7 +32,7 @@ def test_each_component_comes_from_its_own_folder() -> None:
 
 def test_importing_the_master_and_the_client_never_loads_torch() -> None:
     code = (
-        "import sys, dlfleet, dlfleet.master.server, dlfleet.master.__main__, "
+        "import sys, dlfleet, dlfleet.master.service.server, dlfleet.master.__main__, "
         "dlfleet.api.client, dlfleet.master.store.sql; "
         "sys.exit('torch' in sys.modules)"
     )

@@ -4,7 +4,7 @@ is one (committed in memory, or persisted)."""
 from __future__ import annotations
 
 from dlfleet.api.v1 import checkpoint_pb2, job_pb2
-from dlfleet.master.display import format_bytes, status_lines
+from dlfleet.master.job.display import format_bytes, status_lines
 
 
 def status(

@@ -5,6 +5,10 @@ request, let the core decide and apply, hand the events to the group committer,
 and answer only once they are durable. A rejected request raises a DlfleetError
 before any event is applied; it is answered with the status code from
 `dlfleet.api.status` and changes nothing.
+
+Lives in the master service process; the job supervisor's control service
+(`dlfleet.master.job.runner`) authenticates with the same `TokenInterceptor`
+and reads its TLS pair with `load_tls_pair`.
 """
 
 from __future__ import annotations
@@ -33,15 +37,15 @@ from dlfleet.api.v1 import (
     shards_pb2,
     shards_pb2_grpc,
 )
-from dlfleet.master import wire
-from dlfleet.master.checkpoint_service import CheckpointsService
 from dlfleet.master.core.events import Event
 from dlfleet.master.core.shards import RoundConsumer
-from dlfleet.master.membership import Membership
-from dlfleet.master.rendezvous_service import RendezvousService
-from dlfleet.master.rpc import Clock, Durable, rpc, system_clock
-from dlfleet.master.state import MasterState
-from dlfleet.master.status_service import MasterStatusService
+from dlfleet.master.service import wire
+from dlfleet.master.service.checkpoint_service import CheckpointsService
+from dlfleet.master.service.membership import Membership
+from dlfleet.master.service.rendezvous_service import RendezvousService
+from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
+from dlfleet.master.service.state import MasterState
+from dlfleet.master.service.status_service import MasterStatusService
 
 _log = logging.getLogger(__name__)
 

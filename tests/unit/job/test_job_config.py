@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dlfleet.api.errors import InvalidArgument
-from dlfleet.master.jobconfig import load_job_config, parse_job_config
+from dlfleet.master.job.jobconfig import load_job_config, parse_job_config
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_bad_kubernetes_sections_name_the_field(
     [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1.5G", 1.5e9), ("500m", 0.5), ("2", 2.0), (3, 3.0)],
 )
 def test_quantities_parse_like_kubernetes(text: str | int, value: float) -> None:
-    from dlfleet.master.jobconfig import format_bytes_quantity, parse_quantity
+    from dlfleet.master.job.jobconfig import format_bytes_quantity, parse_quantity
 
     assert parse_quantity(text) == value
     assert parse_quantity(format_bytes_quantity(int(value) or 1)) >= value

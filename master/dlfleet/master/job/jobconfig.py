@@ -66,6 +66,9 @@ Unknown keys are errors (a typo must not silently mean "default"). Relative
 paths are relative to the directory of the job.yaml. Every error names the
 field and the reason; `dlmaster` turns them into exit code 2 before anything
 starts.
+
+Read in the job supervisor process, and by `dlmaster status` / `dlmaster scale`
+(`control.py`) to find a running job.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ The job succeeds when no node is active any more and at least one succeeded.
 `Scale` (the Job RPC, `dlmaster scale`) changes the target: new nodes are
 started, or the newest ones are asked to leave (SIGTERM: they stop their
 workers and leave the round, and the rest re-form at once).
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations
@@ -51,20 +53,20 @@ from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.brain.records import PlanKind
-from dlfleet.master.brain_link import BrainLink
-from dlfleet.master.display import Display
-from dlfleet.master.jobconfig import JobConfig
-from dlfleet.master.platform import (
+from dlfleet.master.job.brain_link import BrainLink
+from dlfleet.master.job.display import Display
+from dlfleet.master.job.jobconfig import JobConfig
+from dlfleet.master.job.platform import (
     REASON_OOM,
     Node,
     NodeState,
     Platform,
     describe_exit,
 )
-from dlfleet.master.platform.local import LocalPlatform
-from dlfleet.master.rpc import rpc
-from dlfleet.master.server import TokenInterceptor, load_tls_pair
-from dlfleet.master.supervised import SupervisedMaster
+from dlfleet.master.job.platform.local import LocalPlatform
+from dlfleet.master.job.supervised import SupervisedMaster
+from dlfleet.master.service.rpc import rpc
+from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
 
 _log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ class JobRunner:
         assert self.master is not None
         config = self.config
         if config.platform == "kubernetes":
-            from dlfleet.master.platform.kubernetes import KubernetesPlatform
+            from dlfleet.master.job.platform.kubernetes import KubernetesPlatform
 
             return KubernetesPlatform(config, master_port=self.master.port, token=token)
         return LocalPlatform(

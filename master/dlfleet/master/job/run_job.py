@@ -3,6 +3,8 @@
 Exit codes: 0 the job succeeded; 1 it failed (the reason, with the failing
 rank's traceback, is printed last on stderr); 2 the job.yaml is invalid
 (nothing was started); 130 interrupted (^C or SIGTERM: the nodes are stopped).
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument
-from dlfleet.master.display import DisplayLogHandler, choose_display
-from dlfleet.master.job import JobRunner
-from dlfleet.master.jobconfig import load_job_config
+from dlfleet.master.job.display import DisplayLogHandler, choose_display
+from dlfleet.master.job.jobconfig import load_job_config
+from dlfleet.master.job.runner import JobRunner
 
 
 def run_job_main(path: Path, log_level: str = "INFO") -> int:

@@ -3,6 +3,8 @@
 Kept apart from the servicers so that the handlers read as "decode, decide,
 persist, encode", and so that the one place that knows both vocabularies is
 small.
+
+Lives in the master service process.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import pytest
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.brain.local import LocalBrain
 from dlfleet.brain.records import FailureKind
-from dlfleet.master import brain_link
-from dlfleet.master.brain_link import BrainLink, signature
-from dlfleet.master.jobconfig import parse_job_config
-from dlfleet.master.platform import REASON_OOM, Node, NodeState
+from dlfleet.master.job import brain_link
+from dlfleet.master.job.brain_link import BrainLink, signature
+from dlfleet.master.job.jobconfig import parse_job_config
+from dlfleet.master.job.platform import REASON_OOM, Node, NodeState
 
 
 @pytest.fixture

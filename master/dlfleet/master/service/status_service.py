@@ -1,7 +1,10 @@
 """The `Master` status service: what this master knows about the job (the
 active round, each dataset's progress over all epochs, the latest worker
 failures, the in-memory checkpoints), for the job's supervisor and its
-display."""
+display.
+
+Lives in the master service process.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
-from dlfleet.master import wire
-from dlfleet.master.rpc import rpc
-from dlfleet.master.state import MasterState
+from dlfleet.master.service import wire
+from dlfleet.master.service.rpc import rpc
+from dlfleet.master.service.state import MasterState
 
 NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
 

@@ -28,6 +28,8 @@ asks for nodes; this platform makes them Pods and reads back what happened:
 The calls it makes (pods: get, list, watch, create, delete; services: get,
 create, delete; secrets: get, create, update, delete; events: create) are the
 Role in deploy/.
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from dlfleet.api.client import TLS_CA_ENV
 from dlfleet.api.errors import DlfleetError
-from dlfleet.master.jobconfig import (
+from dlfleet.master.job.jobconfig import (
     JobConfig,
     KubernetesConfig,
     format_bytes_quantity,
     parse_quantity,
 )
-from dlfleet.master.platform import (
+from dlfleet.master.job.platform import (
     REASON_DELETED,
     REASON_EVICTED,
     REASON_OOM,

@@ -2,8 +2,11 @@
 `kubernetes` (one Pod per node).
 
 A platform only starts, stops and watches nodes; what an exit means for the
-job is the runner's call (job.py). It is not thread-safe: one owner (the
-runner's event loop) calls it, and `poll()` is where it learns what happened.
+job is the runner's call (`dlfleet.master.job.runner`). It is not
+thread-safe: one owner (the runner's event loop) calls it, and `poll()` is
+where it learns what happened.
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The Rendezvous gRPC service: Join (blocks until the node's round forms),
 the agent Session (heartbeats up, re-rendezvous pushes down; a broken session
-is a dead agent), Leave, ReportFailure, and GetState for torchrun's handler."""
+is a dead agent), Leave, ReportFailure, and GetState for torchrun's handler.
+
+Lives in the master service process.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
 from dlfleet.api.status import status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 from dlfleet.master.core.rendezvous import Round
-from dlfleet.master.membership import Membership
-from dlfleet.master.rpc import Clock, Durable, rpc
-from dlfleet.master.state import MasterState
+from dlfleet.master.service.membership import Membership
+from dlfleet.master.service.rpc import Clock, Durable, rpc
+from dlfleet.master.service.state import MasterState
 
 _log = logging.getLogger(__name__)
 

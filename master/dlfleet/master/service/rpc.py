@@ -1,6 +1,10 @@
 """Plumbing shared by the master's gRPC services: the clock, the bridge from
 the group committer's futures to the event loop, and the one place where
-domain errors become status codes."""
+domain errors become status codes.
+
+Lives in the master service process; the job supervisor's control service
+(`dlfleet.master.job.runner`) uses `rpc` too.
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,17 @@
 """The `local` platform: the job's nodes are `dlworker` processes on this machine.
 
 The platform only starts, stops and watches processes; what an exit means for
-the job is the runner's call (job.py). Every node's output (the agent's log
-and its training processes' output) goes to `<workdir>/logs/<node>.log` and,
-line by line, to the `on_line` callback. Nodes die with the master (parent-
-death signal): a master killed and started again resumes the job from its store
-with fresh nodes, and never finds a stray one still training.
+the job is the runner's call (`dlfleet.master.job.runner`). Every node's
+output (the agent's log and its training processes' output) goes to
+`<workdir>/logs/<node>.log` and, line by line, to the `on_line` callback.
+Nodes die with the master (parent-death signal): a master killed and started
+again resumes the job from its store with fresh nodes, and never finds a stray
+one still training.
 
 Not thread-safe; one owner (the runner's event loop) calls it. Reading output
 happens on one thread per node, which only calls `on_line`.
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from typing import IO
 
 from dlfleet.api.client import TLS_CA_ENV
 from dlfleet.api.processes import die_with_parent
-from dlfleet.master.jobconfig import JobConfig
-from dlfleet.master.platform import Node, NodeExit, NodeState, Platform
+from dlfleet.master.job.jobconfig import JobConfig
+from dlfleet.master.job.platform import Node, NodeExit, NodeState, Platform
 
 _log = logging.getLogger(__name__)
 

@@ -6,6 +6,8 @@ leaves only once the events it reflects are durable, so a master restarted on
 the same store never answers an older `Latest` than one it already gave. A
 report must come from a live node incarnation and name a round that has
 formed; a stale round is not an error (the table ignores it).
+
+Lives in the master service process.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-from dlfleet.master import wire
 from dlfleet.master.core.checkpoint_events import CheckpointEvent
 from dlfleet.master.core.checkpoints import validate_persisted, validate_report
-from dlfleet.master.rpc import Durable, rpc
-from dlfleet.master.state import MasterState
+from dlfleet.master.service import wire
+from dlfleet.master.service.rpc import Durable, rpc
+from dlfleet.master.service.state import MasterState
 
 
 class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):

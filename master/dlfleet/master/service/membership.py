@@ -7,6 +7,8 @@ dies or leaves is dropped from the rendezvous (closing its round) and loses its
 leases and the checkpoint copies it held; a round that closes is pushed at
 once to its members' sessions, so they re-rendezvous instead of waiting in a
 collective. Everything is persisted before anyone is told.
+
+Lives in the master service process.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dlfleet.master.core.rendezvous import (
     RoundFormed,
     describe,
 )
-from dlfleet.master.state import MasterState
+from dlfleet.master.service.state import MasterState
 
 _log = logging.getLogger(__name__)
 

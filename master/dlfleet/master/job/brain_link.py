@@ -20,6 +20,8 @@ What it reports, from the master's status and the platform:
 The brain's run of a job is `<name>-<run id>`, the run id kept in the
 workdir: a restarted master continues the same run; the signature names "the
 same kind of job", whose earlier runs seed a new run's initial plan.
+
+Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ from dlfleet.brain.records import (
     RoundMetrics,
 )
 from dlfleet.brain.reporter import BrainReporter
-from dlfleet.master.jobconfig import JobConfig
-from dlfleet.master.platform import REASON_EVICTED, REASON_OOM, Node
+from dlfleet.master.job.jobconfig import JobConfig
+from dlfleet.master.job.platform import REASON_EVICTED, REASON_OOM, Node
 
 _log = logging.getLogger(__name__)
 

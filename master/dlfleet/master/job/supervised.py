@@ -1,5 +1,8 @@
 """The job's master as a child process of its supervisor (`dlmaster
---job-config`), on every platform."""
+--job-config`), on every platform.
+
+Lives in the job supervisor process (`dlmaster --job-config`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from collections.abc import Callable
 from typing import IO
 
 from dlfleet.api.processes import die_with_parent
-from dlfleet.master.jobconfig import JobConfig
+from dlfleet.master.job.jobconfig import JobConfig
 
 
 class SupervisedMaster:

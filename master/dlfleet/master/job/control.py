@@ -6,6 +6,9 @@
 
 With --job-config, the master's address and the token come from the job's
 workdir (written by the running `dlmaster --job-config`).
+
+Runs in its own short-lived process, a client of the running job: the
+supervisor answers (its Job service, at the address in the job's workdir).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from google.protobuf.json_format import MessageToDict
 
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError
-from dlfleet.master.display import status_lines
-from dlfleet.master.job import job_token, read_master_file
-from dlfleet.master.jobconfig import load_job_config
+from dlfleet.master.job.display import status_lines
+from dlfleet.master.job.jobconfig import load_job_config
+from dlfleet.master.job.runner import job_token, read_master_file
 
 TOKEN_ENV = "DLFLEET_TOKEN"
 

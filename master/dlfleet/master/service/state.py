@@ -14,6 +14,8 @@ order with the same `apply` the live master used. Afterwards every live lease
 and node gets a fresh timeout, so the master's own downtime expires nothing,
 and checkpoint copies on nodes the node table no longer holds are dropped (a
 node forgotten just before a crash, before its copies' loss was written).
+
+Lives in the master service process.
 """
 
 from __future__ import annotations

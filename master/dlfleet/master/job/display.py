@@ -6,6 +6,9 @@ dataset, samples/s, ETA, in-memory checkpoints, last failure). `PlainDisplay`
 (a pipe, a CI log): the same output lines, and the status as one plain log
 line every `every_s` seconds. Both take lines from several threads (node output readers, logging),
 so writes are serialised by a lock.
+
+Lives in the job supervisor process; `dlmaster status` (`control.py`) prints
+the status with `status_lines` too.
 """
 
 from __future__ import annotations
