@@ -102,7 +102,7 @@ Expect the default run (10 minutes of training, a fault every 30-60 s: about
 full recovery median 4.5 s (max 18.7 s: a hang), goodput 0.89.
 
 Preemption: dlworker answers SIGTERM by leaving and exiting 0, which the
-supervisor (master/dlfleet/master/job.py) cannot tell from a node whose
+supervisor (master/dlfleet/master/job/runner.py) cannot tell from a node whose
 training finished: the node becomes `succeeded` and is not replaced, so the
 job goes on with fewer nodes (and if every node is preempted, the job ends
 "succeeded" with its dataset unfinished). Hence the Scale call above.

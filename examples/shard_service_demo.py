@@ -4,7 +4,7 @@ to records with the epoch's permutation and "train" them, a master killed with
 SIGKILL mid-epoch and started again on the same store, and a ledger check at
 the end: every record of every epoch trained exactly once.
 
-    .venv/bin/python examples/shard_service_demo.py [--records 20000] [--epochs 2]
+    python examples/shard_service_demo.py [--records 20000] [--epochs 2]
 """
 
 from __future__ import annotations
