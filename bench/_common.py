@@ -239,6 +239,16 @@ def listening_port(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: flo
     raise BenchError(f"the master did not listen within {timeout_s:.0f} s")
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM to the bench ends it like Ctrl-C does: the `finally`s run,
+    so the processes of the trial under way are killed, not orphaned."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def kill_tagged(
     procs: list[subprocess.Popen[bytes]], tag_env: str, tag: str, timeout_s: float
 ) -> list[int]:

@@ -145,7 +145,7 @@ for _extra in (ROOT / "bench", ROOT / "tests"):
         sys.path.insert(0, str(_extra))
 
 from _chaos_timeline import Accounting, StepLine, account, intervals, stalled_between  # noqa: E402
-from _common import say, tagged_pids  # noqa: E402
+from _common import exit_on_sigterm, say, tagged_pids  # noqa: E402
 from e2e.ledger import check, final_lineage, read_ledger  # noqa: E402
 
 from dlfleet.api.client import MasterClient, RetryPolicy  # noqa: E402
@@ -1066,6 +1066,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
 
 def main(argv: list[str] | None = None) -> int:
     settings, json_path = parse_args(argv)
+    exit_on_sigterm()
     say(
         f"chaos: seed {settings.seed}, about {settings.minutes:g} min of training "
         f"({settings.size} records x {settings.epochs} epochs, {NODES} nodes x {NPROC} process, "

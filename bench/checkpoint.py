@@ -84,6 +84,7 @@ from typing import IO, Any
 from _common import (
     BenchError,
     TrialError,
+    exit_on_sigterm,
     kill_tagged,
     listening_port,
     say,
@@ -635,6 +636,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     nbytes = state_bytes(args.width, args.layers)
     workdir = Path(args.workdir or tempfile.gettempdir())
     shm_base = Path(args.shm_dir)

@@ -94,6 +94,7 @@ from typing import IO, Any
 from _common import (
     BenchError,
     TrialError,
+    exit_on_sigterm,
     free_port,
     kill_tagged,
     listening_port,
@@ -870,6 +871,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     root = Path(tempfile.mkdtemp(prefix="dlfleet-recovery-bench-"))
     say(
         f"recovery benchmark: {args.trials} rank kill(s) per system ({', '.join(args.systems)}), "
