@@ -27,6 +27,7 @@ from dlfleet.master.core.rendezvous import (
     RoundFormed,
     describe,
 )
+from dlfleet.master.service.metrics import MasterMetrics
 from dlfleet.master.service.state import MasterState
 
 _log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ class Membership:
         state: MasterState,
         clock: Callable[[], int],
         durable: Callable[[Future[int]], asyncio.Future[int]],
+        metrics: MasterMetrics,
     ) -> None:
         self.state = state
+        self.metrics = metrics
         self.clock = clock
         self._durable = durable
         self.changed = asyncio.Condition()
@@ -84,6 +87,7 @@ class Membership:
         name = node_id.rpartition("#")[0]
         record = self.state.nodes.nodes.get(name)
         if record is not None and record.node_id == node_id:
+            self.metrics.node_lost(reason)
             self.state.nodes.forget(name)
             await self._durable(self.state.persist_node(record, gone=True))
         await self._durable(self.state.persist(self.state.book.release_node(node_id)))

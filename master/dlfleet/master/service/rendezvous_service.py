@@ -156,6 +156,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         if request.local_rank < 0:
             raise InvalidArgument(f"local_rank must be >= 0, got {request.local_rank}")
         self.failures.append(request)
+        self.membership.metrics.worker_failed(request)
         _log.error(
             "worker failed on %s (round %d, local rank %d, exit %d%s): %s",
             request.node_id,

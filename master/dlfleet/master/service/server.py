@@ -42,6 +42,7 @@ from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.service import wire
 from dlfleet.master.service.checkpoint_service import CheckpointsService
 from dlfleet.master.service.membership import Membership
+from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
@@ -397,8 +398,10 @@ class MasterServer:
         tick_ms: int | None = None,
         extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
         tls: tuple[bytes, bytes] | None = None,
+        metrics: MasterMetrics | None = None,
     ) -> None:
-        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only."""
+        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only.
+        `metrics`: where to count (a fresh registry if None)."""
         if not token:
             raise InvalidArgument("the master needs a non-empty job token")
         self.state = state
@@ -418,14 +421,17 @@ class MasterServer:
         self.rendezvous: RendezvousService | None = None
         self._extra_services = extra_services
         self._tls = tls
+        self.metrics = metrics if metrics is not None else MasterMetrics()
         self.port = 0
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
         durable = Durable(loop)
-        membership = Membership(self.state, self.clock, durable.wait)
+        membership = Membership(self.state, self.clock, durable.wait, self.metrics)
+        self.state.committer.on_commit = self.metrics.committed
+        self.state.on_events = self.metrics.shard_events
         server = grpc.aio.server(
-            interceptors=[TokenInterceptor(self._token), RequestGuard()],
+            interceptors=[RpcMetrics(self.metrics), TokenInterceptor(self._token), RequestGuard()],
             options=[
                 ("grpc.so_reuseport", 0),
                 # Clients ping every 10 s to notice a dead master on streams.
@@ -442,6 +448,7 @@ class MasterServer:
         )
         self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
+        self.metrics.watch(StateCollector(self.state, self.rendezvous.metrics, self.clock))
         job_pb2_grpc.add_MasterServicer_to_server(
             MasterStatusService(
                 self.state, self.rendezvous.failures, self.rendezvous.metrics, self.clock
