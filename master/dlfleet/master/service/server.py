@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
+from dlfleet.api.status_document import status_document
 from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
     job_pb2_grpc,
@@ -41,12 +42,13 @@ from dlfleet.master.core.events import Event
 from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.service import wire
 from dlfleet.master.service.checkpoint_service import CheckpointsService
+from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
-from dlfleet.master.service.status_service import MasterStatusService
+from dlfleet.master.service.status_service import MasterStatusService, job_status
 
 _log = logging.getLogger(__name__)
 
@@ -399,9 +401,11 @@ class MasterServer:
         extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
         tls: tuple[bytes, bytes] | None = None,
         metrics: MasterMetrics | None = None,
+        http: HttpSettings | None = None,
     ) -> None:
-        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only.
-        `metrics`: where to count (a fresh registry if None)."""
+        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only
+        (HTTPS too). `metrics`: where to count (a fresh registry if None).
+        `http`: where to serve the HTTP endpoint (none if None)."""
         if not token:
             raise InvalidArgument("the master needs a non-empty job token")
         self.state = state
@@ -422,6 +426,8 @@ class MasterServer:
         self._extra_services = extra_services
         self._tls = tls
         self.metrics = metrics if metrics is not None else MasterMetrics()
+        self._http_settings = http
+        self.http: HttpEndpoint | None = None
         self.port = 0
 
     async def start(self) -> int:
@@ -471,9 +477,26 @@ class MasterServer:
         if self.port == 0:
             raise DlfleetError(f"could not bind the master to {self._address}")
         await server.start()
+        self._server = server
+        if self._http_settings is not None:
+            rendezvous = self.rendezvous
+            endpoint = HttpEndpoint(
+                self._http_settings,
+                token=self._token,
+                registry=self.metrics.registry,
+                status=lambda: status_document(
+                    job_status(self.state, rendezvous.failures, rendezvous.metrics, self.clock())
+                ),
+                tls=self._tls,
+            )
+            try:
+                await endpoint.start()
+            except DlfleetError:
+                await server.stop(0)
+                raise
+            self.http = endpoint
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
         self._durable = durable
         self.membership = membership
         self._ticker = asyncio.create_task(self._tick_forever())
@@ -507,5 +530,7 @@ class MasterServer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._timer.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
