@@ -69,6 +69,7 @@ def full_status() -> job_pb2.JobStatus:
         master_restarts=0,
         master_up=True,
         last_plan="scale to 2 nodes",
+        http_url="http://127.0.0.1:9100",
         checkpoints=checkpoint_pb2.CheckpointStatus(
             committed_step=10, restorable_step=10, bytes_held=1 << 20, persisted_step=-1
         ),

@@ -82,4 +82,6 @@ def control_main(argv: list[str]) -> int:
         print(json.dumps(status_document(status), indent=2))
     else:
         print("\n".join(status_lines(status)))
+        if status.http_url:
+            print(f"  http: {status.http_url} (/metrics, /api/v1/status)")
     return 0
