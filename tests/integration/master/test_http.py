@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlfleet.api.status_document import SCHEMA_PATH
 from dlfleet.api.v1 import rendezvous_pb2, shards_pb2
+from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.http_api import HttpSettings
+from dlfleet.master.service.state import MasterSettings
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +81,7 @@ def test_everything_but_healthz_needs_the_job_token(start_master: Callable[..., 
     running = start_master(http=HttpSettings())
     url = base(running)
     assert get(url + "/healthz") == (200, "ok\n")
-    for path in ("/", "/metrics", "/api/v1/status"):
+    for path in ("/", "/metrics", "/api/v1/status", "/api/v1/events"):
         for headers in (
             {},
             {"Authorization": "Bearer wrong"},
@@ -233,3 +235,69 @@ def test_dlmaster_http_port_serves_and_prints_its_address_before_listening(
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def events(running: Running, query: str = "") -> dict[str, Any]:
+    status, text = get(base(running) + "/api/v1/events" + query, {"X-Dlfleet-Token": TOKEN})
+    assert status == 200, text
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def test_events_are_a_timeline_of_rounds_failures_and_lost_nodes(
+    start_master: Callable[..., Running],
+) -> None:
+    settings = MasterSettings(
+        job_name="job", rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1)
+    )
+    running = start_master(settings, http=HttpSettings())
+    client = running.client
+    assert events(running) == {"events": [], "last_seq": 0}
+    node = client.register_node(job_name="job", node_name="node-a", local_world_size=2)
+    joined = client.join_rendezvous(
+        node_id=node.node_id,
+        incarnation=node.incarnation,
+        local_world_size=2,
+        host="127.0.0.1",
+        bootstrap_port=29500,
+        timeout_s=20,
+    )
+    client.report_worker_failure(
+        rendezvous_pb2.FailureReport(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            round=joined.round,
+            exit_code=-9,
+            signal="SIGKILL",
+            message="Traceback ...\nKilled",
+        )
+    )
+    client.deregister_node(node.node_id, node.incarnation)
+    timeline = events(running)
+    kinds = [(e["seq"], e["kind"]) for e in timeline["events"]]
+    assert kinds == [
+        (1, "node_registered"),
+        (2, "round_formed"),
+        (3, "worker_failed"),
+        (4, "node_lost"),
+        (5, "round_closed"),
+    ]
+    registered, formed, failed, lost, closed = timeline["events"]
+    assert timeline["last_seq"] == 5
+    assert registered["node_id"] == node.node_id
+    assert formed["round"] == joined.round and formed["world_size"] == 2
+    assert formed["nodes"] == [node.node_id]
+    assert (failed["reason"], failed["signal"], failed["message"]) == (
+        "SIGKILL",
+        "SIGKILL",
+        "Killed",
+    )
+    assert (lost["node_id"], lost["reason"]) == (node.node_id, "deregistered")
+    assert closed["round"] == joined.round and closed["reason"]
+    assert all(e["at_ms"] > 0 for e in timeline["events"])
+
+    assert [e["seq"] for e in events(running, "?since=3")["events"]] == [4, 5]
+    assert events(running, "?since=1&limit=2")["last_seq"] == 3
+    assert events(running, "?since=5") == {"events": [], "last_seq": 5}
+    status, _ = get(base(running) + "/api/v1/events?since=x", {"X-Dlfleet-Token": TOKEN})
+    assert status == 400

@@ -5,6 +5,7 @@
     GET /                 the list of endpoints
     GET /metrics          Prometheus text format (prometheus_client)
     GET /api/v1/status    the job's status document (dlfleet.api.status_document)
+    GET /api/v1/events    the timeline: ?since=SEQ&limit=N, oldest first
 
 Everything but /healthz (and /metrics when `open_metrics`) needs the job token,
 the one the gRPC services check: `Authorization: Bearer T`, `X-Dlfleet-Token:
@@ -32,11 +33,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dlfleet.api.errors import DlfleetError
+from dlfleet.master.service.timeline import Timeline
 
 TOKEN_HEADER = "X-Dlfleet-Token"
 TOKEN_COOKIE = "dlfleet_token"
 OPEN_PATHS = frozenset({"/healthz", "/login"})
-ENDPOINTS = ("/healthz", "/metrics", "/api/v1/status")
+ENDPOINTS = ("/healthz", "/metrics", "/api/v1/status", "/api/v1/events")
+EVENTS_LIMIT = 1_000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,6 +78,7 @@ class HttpEndpoint:
         registry: CollectorRegistry,
         status: Callable[[], dict[str, Any]],
         tls: tuple[bytes, bytes] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         if not token:
             raise DlfleetError("the HTTP endpoint needs a non-empty job token")
@@ -83,6 +87,7 @@ class HttpEndpoint:
         self._registry = registry
         self._status = status
         self._tls = tls
+        self._timeline = timeline if timeline is not None else Timeline()
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -105,6 +110,7 @@ class HttpEndpoint:
                 web.get("/", self._index),
                 web.get("/metrics", self._metrics),
                 web.get("/api/v1/status", self._api_status),
+                web.get("/api/v1/events", self._api_events),
             ]
         )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -185,3 +191,22 @@ class HttpEndpoint:
 
     async def _api_status(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._status())
+
+    async def _api_events(self, request: web.Request) -> web.StreamResponse:
+        """{"events": [...], "last_seq": N}: poll again with since=last_seq. A
+        last_seq below the `since` asked for means a new master (a new
+        timeline): read it from 0."""
+        try:
+            since = int(request.query.get("since", "0"))
+            limit = int(request.query.get("limit", str(EVENTS_LIMIT)))
+        except ValueError:
+            return web.json_response({"error": "since and limit must be integers"}, status=400)
+        if since < 0 or not 1 <= limit <= EVENTS_LIMIT:
+            return web.json_response(
+                {"error": f"since must be >= 0 and limit in 1..{EVENTS_LIMIT}"}, status=400
+            )
+        entries = self._timeline.since(since, limit)
+        last = entries[-1].seq if entries else self._timeline.last_seq
+        return web.json_response(
+            {"events": [entry.to_json() for entry in entries], "last_seq": last}
+        )

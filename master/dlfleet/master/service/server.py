@@ -49,6 +49,7 @@ from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.status_service import MasterStatusService, job_status
+from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
 
@@ -199,6 +200,13 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             request.node_name, request.local_world_size, request.host, self.clock()
         )
         await self.durable.wait(self.state.persist_node(record))
+        self.membership.timeline.record(
+            EventKind.NODE_REGISTERED,
+            self.clock(),
+            node_id=record.node_id,
+            host=record.host,
+            local_world_size=record.local_world_size,
+        )
         if previous is not None:
             await self.membership.node_lost(previous.node_id, "was replaced by a new incarnation")
         liveness = self.state.nodes.settings
@@ -426,6 +434,7 @@ class MasterServer:
         self._extra_services = extra_services
         self._tls = tls
         self.metrics = metrics if metrics is not None else MasterMetrics()
+        self.timeline = Timeline()
         self._http_settings = http
         self.http: HttpEndpoint | None = None
         self.port = 0
@@ -433,7 +442,7 @@ class MasterServer:
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
         durable = Durable(loop)
-        membership = Membership(self.state, self.clock, durable.wait, self.metrics)
+        membership = Membership(self.state, self.clock, durable.wait, self.metrics, self.timeline)
         self.state.committer.on_commit = self.metrics.committed
         self.state.on_events = self.metrics.shard_events
         server = grpc.aio.server(
@@ -488,6 +497,7 @@ class MasterServer:
                     job_status(self.state, rendezvous.failures, rendezvous.metrics, self.clock())
                 ),
                 tls=self._tls,
+                timeline=self.timeline,
             )
             try:
                 await endpoint.start()
