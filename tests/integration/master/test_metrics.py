@@ -70,6 +70,7 @@ def test_shards_records_and_rpcs_are_counted_as_a_dataset_is_consumed(
     leases = value(after, "dlfleet_rpc_requests_total", method="Lease", code="OK")
     assert leases >= shards
     assert value(after, "dlfleet_rpc_duration_seconds_count", method="Lease") == leases
+    assert value(after, "dlfleet_shard_lease_duration_seconds_count") == leases
     assert value(after, "dlfleet_rpc_requests_total", method="RegisterDataset", code="OK") == 1
     assert value(after, "dlfleet_store_commit_duration_seconds_count") > 0
     assert value(after, "dlfleet_store_committed_entries_total") >= 20
@@ -107,3 +108,24 @@ def test_nodes_are_counted_by_state_and_their_loss_by_reason(
     samples = scrape(running)
     assert value(samples, "dlfleet_nodes", state="idle") == 0
     assert value(samples, "dlfleet_node_failures_total", reason="deregistered") == 1
+
+
+def test_streamed_leases_are_timed_one_by_one(start_master: Callable[..., Running]) -> None:
+    running = start_master()
+    client = running.client
+    client.register_dataset(
+        shards_pb2.DatasetSpec(name="data", size=30, batch_size=5, shard_size=10, epochs=1)
+    )
+    session = client.lease_session()
+    held: list[int] = []
+    answers = 0
+    while True:
+        resp = session.lease("data", node_id="n", rank=0, done=held)
+        answers += 1
+        if resp.WhichOneof("outcome") != "shard":
+            break
+        held = [resp.shard.lease_id]
+    session.close()
+    samples = scrape(running)
+    assert value(samples, "dlfleet_shard_lease_duration_seconds_count") == answers == 4
+    assert value(samples, "dlfleet_shards_done_total", dataset="data") == 3

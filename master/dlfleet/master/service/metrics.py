@@ -82,6 +82,11 @@ class MasterMetrics:
             "Time to answer a unary RPC (Lease, Report = ack, Renew, Join, ...)",
             ["method"], buckets=_RPC_BUCKETS, registry=reg,
         )  # fmt: skip
+        self._lease_seconds = Histogram(
+            "dlfleet_shard_lease_duration_seconds",
+            "Time from a lease request to its durable answer, unary or streamed (acks ride on it)",
+            buckets=_RPC_BUCKETS, registry=reg,
+        )  # fmt: skip
         self._commit_seconds = Histogram(
             "dlfleet_store_commit_duration_seconds",
             "Time of one group commit to the durable store",
@@ -139,6 +144,9 @@ class MasterMetrics:
         self._child(self._rpcs, method, code).inc()
         if seconds is not None:
             self._child(self._rpc_seconds, method).observe(seconds)
+
+    def leased(self, seconds: float) -> None:
+        self._lease_seconds.observe(seconds)
 
     def committed(self, seconds: float, entries: int) -> None:
         """Called on the group committer's writer thread (the metrics lock)."""

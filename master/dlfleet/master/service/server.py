@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -109,6 +110,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             yield response
 
     async def _lease(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
+        start = time.perf_counter()
         consumer = wire.consumer_from_request(request)
         if request.count > 1 and isinstance(consumer, RoundConsumer):
             outcomes, events = self.state.book.lease_run(
@@ -120,6 +122,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             )
             outcomes = [outcome]
         await self.persist(events)
+        self.membership.metrics.leased(time.perf_counter() - start)
         return wire.lease_response(*outcomes)
 
     @rpc
