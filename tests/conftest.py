@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import hypothesis  # noqa: F401 - imported before any test starts threads: see below
 import pytest
@@ -70,15 +71,16 @@ def loop_thread() -> Iterator[LoopThread]:
 
 @pytest.fixture
 def start_master(loop_thread: LoopThread, store_url: str) -> Iterator[Callable[..., Running]]:
-    """start(settings=None, port=0) -> Running: an in-process master on the
-    test's store; `start.stop(running)` stops one early. All stop at the end."""
+    """start(settings=None, port=0, **options) -> Running: an in-process master
+    on the test's store (`options` go to MasterServer); `start.stop(running)`
+    stops one early. All stop at the end."""
     from dlfleet.master.service.state import MasterSettings
 
     running: list[Running] = []
 
-    def start(settings: MasterSettings | None = None, port: int = 0) -> Running:
+    def start(settings: MasterSettings | None = None, port: int = 0, **options: Any) -> Running:
         r = start_in_process(
-            loop_thread, store_url, settings or MasterSettings(job_name="job"), port
+            loop_thread, store_url, settings or MasterSettings(job_name="job"), port, **options
         )
         running.append(r)
         return r

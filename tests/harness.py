@@ -140,8 +140,9 @@ class Running:
 
 
 def start_in_process(
-    loop_thread: LoopThread, store_url: str, settings: Any, port: int = 0
+    loop_thread: LoopThread, store_url: str, settings: Any, port: int = 0, **options: Any
 ) -> Running:
+    """`options` go to MasterServer (`http=HttpSettings()`, `tls=...`)."""
     from dlfleet.api.client import MasterClient
     from dlfleet.master.service.rpc import system_clock
     from dlfleet.master.service.server import MasterServer
@@ -149,7 +150,7 @@ def start_in_process(
     from dlfleet.master.store.sql import open_store
 
     state = MasterState.recover(open_store(store_url), settings, system_clock())
-    server = MasterServer(state, token=TOKEN, port=port, tick_ms=50)
+    server = MasterServer(state, token=TOKEN, port=port, tick_ms=50, **options)
     bound = loop_thread.run(server.start())
     client = MasterClient(f"127.0.0.1:{bound}", token=TOKEN, timeout_s=5)
     return Running(server, state, client)
@@ -230,3 +231,16 @@ class JobProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.communicate()
+
+
+def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    request = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+    subject = ["-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
+    subprocess.run(
+        [*request, *subject, "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

@@ -4,8 +4,10 @@
     dlmaster scale --job-config job.yaml --nodes 2
     dlmaster status --job-config job.yaml
     dlmaster --port 50051 --state-store sqlite:///job.db --token-file token.txt
+    dlmaster --port 50051 --http-port 8080 ...   # also /metrics and /api/v1/status
 
-Serve mode prints `listening on HOST:PORT` once it accepts requests. Either
+Serve mode prints `listening on HOST:PORT` once it accepts requests (after
+`http on URL` when --http-port is given). Either
 way, a master started again on the same store continues where the last one
 stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts.
 
@@ -30,6 +32,7 @@ from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
+from dlfleet.master.service.http_api import HttpSettings
 from dlfleet.master.service.server import load_tls_pair
 from dlfleet.master.service.state import MasterSettings
 
@@ -84,6 +87,21 @@ def _parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a node waits for a round to form before giving up (default 600)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /api/v1/status over HTTP(S) on this port; 0 picks a free one "
+        "(default: no HTTP endpoint)",
+    )
+    p.add_argument(
+        "--http-host", default="127.0.0.1", help="address of the HTTP endpoint (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--http-open-metrics",
+        action="store_true",
+        help="serve /metrics without the job token (everything else still needs it)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument(
@@ -131,6 +149,14 @@ def _settings(args: argparse.Namespace) -> MasterSettings:
     )
 
 
+def _http(args: argparse.Namespace) -> HttpSettings | None:
+    if args.http_port is None:
+        return None
+    return HttpSettings(
+        host=args.http_host, port=args.http_port, open_metrics=args.http_open_metrics
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("scale", "status"):
@@ -145,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_job_main(args.job_config, args.log_level)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        parser.error(f"--http-port must be in 0..65535, got {args.http_port}")
     if min(args.lease_timeout, args.heartbeat_interval, args.heartbeat_timeout) <= 0:
         parser.error("--lease-timeout, --heartbeat-interval and --heartbeat-timeout must be > 0")
     if args.heartbeat_timeout <= args.heartbeat_interval:
@@ -172,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 tls=args.tls,
                 forget_nodes=args.forget_nodes,
+                http=_http(args),
             )
         )
     except DlfleetError as exc:

@@ -11,12 +11,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from harness import JobProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+from dlfleet.api.status_document import SCHEMA_PATH
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -233,3 +239,105 @@ def test_a_bad_config_exits_2_before_anything_starts(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "invalid job config" in done.stderr and "nodes.min" in done.stderr
     assert not (tmp_path / ".dlfleet").exists()
+
+
+# A worker that also leases shards from the job's master, one every 50 ms,
+# acknowledging each with the next request.
+SHARD_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from dlfleet.api.client import MasterClient
+    from dlfleet.api.v1 import shards_pb2
+    from dlfleet.worker import progress
+    out, env = sys.argv[1], os.environ
+    me = f"{env['DLFLEET_NODE_ID']}-r{env['DLFLEET_ROUND']}-{env['LOCAL_RANK']}"
+    with open(os.path.join(out, me + ".json"), "w") as f:
+        json.dump({"world": int(env["WORLD_SIZE"]), "rank": int(env["RANK"])}, f)
+    client = MasterClient(env["DLFLEET_MASTER"], token=env["DLFLEET_TOKEN"])
+    client.register_dataset(
+        shards_pb2.DatasetSpec(name="data", size=100_000, batch_size=1, shard_size=10, epochs=1)
+    )
+    held = []
+    while not os.path.exists(os.path.join(out, "stop")):
+        resp = client.lease("data", node_id=env["DLFLEET_NODE_ID"], rank=0, done=held)
+        held = [resp.shard.lease_id] if resp.WhichOneof("outcome") == "shard" else []
+        time.sleep(0.05)
+        progress.step(4)
+    """
+)
+
+
+def test_the_master_serves_metrics_and_status_over_http_while_the_job_runs(
+    make_job: Any,
+) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, max_node_relaunches=2)
+    (job.root / "worker.py").write_text(SHARD_WORKER)
+    job.start()
+    job.wait_for(lambda: sum(s["world"] == 2 for s in job.seen()) == 2, "2 workers")
+    url = job.status()["http_url"]
+    assert url.startswith("http://127.0.0.1:")
+    assert f"http: {url}" in job.control("status").stdout
+    token = (job.root / ".dlfleet" / "test-job" / "token").read_text().strip()
+    auth = {"Authorization": f"Bearer {token}"}
+    assert http_get(url + "/metrics")[0] == 401
+    status, text = http_get(url + "/api/v1/status", auth)
+    assert status == 200
+    document = json.loads(text)
+    jsonschema.validate(document, json.loads(SCHEMA_PATH.read_text()))
+    assert {n["name"] for n in document["nodes"]} == {"node-0", "node-1"}
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        status, text = http_get(url + "/metrics", auth)
+        assert status == 200, text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def measured() -> bool:
+        samples = scrape()
+        rates = [v for (name, _), v in samples.items() if name == "dlfleet_node_samples_per_second"]
+        return len(rates) == 2 and all(rate > 0 for rate in rates)
+
+    job.wait_for(measured, "per-node samples/s in /metrics")
+    before = scrape()
+    assert before[("dlfleet_world_size", ())] == 2
+    assert before[("dlfleet_nodes", (("state", "in_round"),))] == 2
+    rounds = before[("dlfleet_rendezvous_rounds_formed_total", ())]
+    done = (("dataset", "data"),)
+
+    def shards_move() -> bool:
+        samples = scrape()
+        return (
+            samples.get(("dlfleet_shards_done_total", done), 0)
+            > before.get(("dlfleet_shards_done_total", done), 0)
+            and samples[("dlfleet_dataset_records_done", done)] > 0
+        )
+
+    job.wait_for(shards_move, "shards done counted")
+    os.kill(job.node_pid("node-1"), signal.SIGKILL)  # the dlworker; its worker dies with it
+
+    def counted() -> bool:
+        samples = scrape()
+        lost = sum(v for (name, _), v in samples.items() if name == "dlfleet_node_failures_total")
+        return lost >= 1 and samples[("dlfleet_rendezvous_rounds_formed_total", ())] > rounds
+
+    job.wait_for(counted, "the lost node and the next round counted")
+    shards = scrape()[("dlfleet_shards_done_total", done)]
+    job.wait_for(
+        lambda: scrape()[("dlfleet_shards_done_total", done)] > shards, "shards done after the loss"
+    )
+    job.stop_workers()
+    code, out, _ = job.finish()
+    assert code == 0
+    assert f"metrics and status on {url}; log in at {url}/login?token=<the token in" in out
+
+
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status), answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
         (["--node-unit", "2", "--min-nodes", "3", "--max-nodes", "3"], "no multiple of node_unit"),
         (["--heartbeat-interval", "5", "--heartbeat-timeout", "2"], "longer than"),
         (["--port", "70000"], "--port must be in 0..65535"),
+        (["--http-port", "-1"], "--http-port must be in 0..65535"),
         (["--lease-timeout", "0"], "must be > 0"),
         (["--token", ""], "no job token"),
         (["--min-nodes", "two"], "invalid int value"),

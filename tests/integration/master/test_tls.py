@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import TOKEN, JobProcess, LoopThread
+from harness import TOKEN, JobProcess, LoopThread, make_cert
 
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import Unavailable
@@ -22,19 +22,6 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]
-
-
-def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and localhost."""
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    request = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
-    subject = ["-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
-    subprocess.run(
-        [*request, *subject, "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 @pytest.fixture

@@ -31,6 +31,16 @@ def test_a_minimal_config_gets_documented_defaults(base: Path) -> None:
     assert config.script == str(base / "train.py")
 
 
+def test_the_http_endpoint_is_on_by_default_on_localhost_and_can_be_turned_off(
+    base: Path,
+) -> None:
+    http = parse(base).http
+    assert http is not None
+    assert (http.host, http.port, http.open_metrics) == ("127.0.0.1", 0, False)
+    assert parse(base, http={"host": "0.0.0.0", "port": 9100}).http.port == 9100
+    assert parse(base, http=None).http is None
+
+
 def test_the_job_starts_max_nodes_unless_initial_says_otherwise(base: Path) -> None:
     assert parse(base, nodes={"min": 1, "max": 3}).nodes.start == 3
     assert parse(base, nodes={"min": 1, "max": 3, "initial": 2}).nodes.start == 2
@@ -56,6 +66,8 @@ def test_a_module_command_is_not_a_path(base: Path) -> None:
         ({"nodez": 2}, "nodez: unknown setting"),
         ({"rendezvous": {"last_call": 1}}, "rendezvous.last_call: unknown setting"),
         ({"master": {"port": 70000}}, "master.port: Input should be less than or equal to 65535"),
+        ({"http": {"port": -1}}, "http.port: Input should be greater than or equal to 0"),
+        ({"http": {"path": "/"}}, "http.path: unknown setting"),
         ({"env": {"1BAD": "x"}}, "env: Value error, '1BAD' is not an environment variable name"),
         ({"name": "Bad_Name"}, "name: 'Bad_Name' is not a valid job name"),
         ({"token": "a", "token_file": "t"}, "give either token or token_file, not both"),

@@ -19,10 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
-
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError
+from dlfleet.api.status_document import status_document
 from dlfleet.master.job.display import status_lines
 from dlfleet.master.job.jobconfig import load_job_config
 from dlfleet.master.job.runner import job_token, read_master_file
@@ -80,16 +79,9 @@ def control_main(argv: list[str]) -> int:
             print(f"dlmaster {args.command}: {exc}", file=sys.stderr)
             return 1
     if args.json:
-        print(
-            json.dumps(
-                MessageToDict(
-                    status,
-                    preserving_proto_field_name=True,
-                    always_print_fields_with_no_presence=True,
-                ),
-                indent=2,
-            )
-        )
+        print(json.dumps(status_document(status), indent=2))
     else:
         print("\n".join(status_lines(status)))
+        if status.http_url:
+            print(f"  http: {status.http_url} (/metrics, /api/v1/status)")
     return 0

@@ -21,6 +21,8 @@
     state_store: sqlite:///...  # default: sqlite file state.db in the workdir
     token_file: token.txt       # or `token:`; default: a fresh random token
     master: {host: 127.0.0.1, port: 0}
+    http: {host: 127.0.0.1, port: 0, open_metrics: false}  # the master's /metrics and
+                                # /api/v1/status (port 0: a free one); `http: null` turns it off
     tls: {cert_file: master.crt, key_file: master.key}  # serve TLS only; nodes
                                 # verify with ca_file (default: cert_file)
     display: auto               # auto | live | plain | off
@@ -134,6 +136,15 @@ class HeartbeatConfig(_Strict):
 class MasterAddress(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65_535)
+
+
+class HttpConfig(_Strict):
+    """The master's HTTP endpoint; `open_metrics` serves /metrics without the
+    job token (for a scraper), everything else always needs it."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65_535)
+    open_metrics: bool = False
 
 
 class TlsConfig(_Strict):
@@ -272,6 +283,7 @@ class JobConfig(_Strict):
     token: str | None = Field(default=None, min_length=1)
     token_file: Path | None = None
     master: MasterAddress = MasterAddress()
+    http: HttpConfig | None = HttpConfig()
     tls: TlsConfig | None = None
     display: Literal["auto", "live", "plain", "off"] = "auto"
     brain: BrainConfig = BrainConfig()

@@ -90,6 +90,15 @@ class JobResult:
     reason: str
 
 
+def token_source(config: JobConfig) -> str:
+    """Where the job token is, in words (never the token itself)."""
+    if config.token is not None:
+        return "the token in job.yaml"
+    if config.token_file is not None:
+        return f"the token in {config.path(config.token_file)}"
+    return f"the token in {config.work_dir / 'token'}"
+
+
 def job_token(config: JobConfig) -> str:
     """The token from the config, or the job's own: generated once, kept in
     the workdir (mode 0600) so a restarted master and `dlmaster scale` agree."""
@@ -160,7 +169,11 @@ class JobRunner:
         config.work_dir.mkdir(parents=True, exist_ok=True)
         token = job_token(config)
         port = config.master.port or _free_port(config.master.host)
-        self.master = SupervisedMaster(config, port=port, token=token, on_line=self.display.line)
+        http = config.http
+        http_port = (http.port or _free_port(http.host)) if http is not None else 0
+        self.master = SupervisedMaster(
+            config, port=port, token=token, on_line=self.display.line, http_port=http_port
+        )
         tls_ca = config.tls_ca_file.read_bytes() if config.tls_ca_file else None
         self.client = MasterClient(
             self.master.address, token=token, timeout_s=2.0, retry=_NO_RETRY, tls_ca=tls_ca
@@ -178,6 +191,11 @@ class JobRunner:
             self._write_master_file(control)
             _log.info("job %s: master on %s, control on %s, workdir %s", config.name,
                       self.master.address, control, config.work_dir)  # fmt: skip
+            if self.master.http_url:
+                # The token itself is never printed: the link names its file.
+                _log.info("job %s: metrics and status on %s; log in at %s/login?token=<%s>",
+                          config.name, self.master.http_url, self.master.http_url,
+                          token_source(config))  # fmt: skip
             self.platform = self._make_platform(token)
             self.brain = BrainLink(config, token)
             await asyncio.to_thread(self.brain.open)
@@ -508,6 +526,7 @@ class JobRunner:
             last_plan=self.brain.last_plan if self.brain is not None else "",
         )
         if self.master is not None:
+            status.http_url = self.master.http_url
             status.master_pid = self.master.pid
             status.master_restarts = max(0, self.master.restarts)
         if self.platform is not None:

@@ -16,6 +16,8 @@ from typing import IO
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.job.jobconfig import JobConfig
 
+HTTP_LINE = "dlmaster: http on "  # what the master prints before `listening on`
+
 
 class SupervisedMaster:
     """The job's master as a child process (`dlmaster` in serve mode on the
@@ -31,9 +33,14 @@ class SupervisedMaster:
         token: str,
         on_line: Callable[[str, str], None],
         python: str = sys.executable,
+        http_port: int = 0,
     ) -> None:
+        """`http_port`: of the HTTP endpoint when job.yaml has `http` (0 would
+        give a restarted master another one)."""
         self.config = config
         self.port = port
+        self.http_port = http_port
+        self.http_url = ""  # what the master printed
         self.token = token
         self.on_line = on_line
         self.python = python
@@ -70,6 +77,10 @@ class SupervisedMaster:
         if config.tls is not None:
             command += ["--tls-cert", str(config.path(config.tls.cert_file))]
             command += ["--tls-key", str(config.path(config.tls.key_file))]
+        if config.http is not None:
+            command += ["--http-host", config.http.host, "--http-port", str(self.http_port)]
+            if config.http.open_metrics:
+                command.append("--http-open-metrics")
         if forget_nodes:
             command.append("--forget-nodes")
         return command
@@ -116,6 +127,8 @@ class SupervisedMaster:
                 log.write(raw)
                 log.flush()
                 line = raw.decode(errors="replace").rstrip("\n")
+                if line.startswith(HTTP_LINE):
+                    self.http_url = line.removeprefix(HTTP_LINE).strip()
                 if line.startswith("dlmaster: listening on"):
                     self.listening.set()
                 self.on_line("master", line)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from dlfleet.master.service.http_api import HttpSettings
 from dlfleet.master.service.rpc import system_clock
 from dlfleet.master.service.server import MasterServer
 from dlfleet.master.service.state import MasterSettings, MasterState
@@ -25,14 +26,19 @@ async def serve(
     port: int,
     tls: tuple[bytes, bytes] | None,
     forget_nodes: bool,
+    http: HttpSettings | None = None,
 ) -> None:
     """Serve on `host:port` (0 = a free port) until SIGINT or SIGTERM, printing
     `dlmaster: listening on HOST:PORT` once requests are accepted. With
-    `forget_nodes`, the nodes recovered from the store are dropped at once."""
+    `http`, the HTTP endpoint too, announced first as `dlmaster: http on URL`.
+    With `forget_nodes`, the nodes recovered from the store are dropped at
+    once."""
     store = open_store(store_url)
     state = MasterState.recover(store, settings, system_clock())
-    server = MasterServer(state, token=token, host=host, port=port, tls=tls)
+    server = MasterServer(state, token=token, host=host, port=port, tls=tls, http=http)
     bound = await server.start()
+    if server.http is not None:
+        print(f"dlmaster: http on {server.http.url}", flush=True)
     if forget_nodes:
         assert server.membership is not None
         for record in list(state.nodes.nodes.values()):

@@ -27,7 +27,9 @@ from dlfleet.master.core.rendezvous import (
     RoundFormed,
     describe,
 )
+from dlfleet.master.service.metrics import MasterMetrics
 from dlfleet.master.service.state import MasterState
+from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
 
@@ -38,8 +40,12 @@ class Membership:
         state: MasterState,
         clock: Callable[[], int],
         durable: Callable[[Future[int]], asyncio.Future[int]],
+        metrics: MasterMetrics,
+        timeline: Timeline,
     ) -> None:
         self.state = state
+        self.metrics = metrics
+        self.timeline = timeline
         self.clock = clock
         self._durable = durable
         self.changed = asyncio.Condition()
@@ -61,8 +67,18 @@ class Membership:
             if isinstance(event, RoundFormed):
                 round_ = self.state.rendezvous.state.active
                 _log.info("round %d formed: %s", event.round, describe(round_) if round_ else "")
+                self.timeline.record(
+                    EventKind.ROUND_FORMED,
+                    event.formed_ms,
+                    round=event.round,
+                    nodes=[m.node_id for m in event.members],
+                    world_size=sum(m.local_world_size for m in event.members),
+                )
             elif isinstance(event, RoundClosed):
                 _log.info("round %d closed: %s", event.round, event.reason)
+                self.timeline.record(
+                    EventKind.ROUND_CLOSED, self.clock(), round=event.round, reason=event.reason
+                )
                 push = rendezvous_pb2.SessionEvent(
                     re_rendezvous=rendezvous_pb2.ReRendezvous(
                         closed_round=event.round, reason=event.reason
@@ -84,6 +100,8 @@ class Membership:
         name = node_id.rpartition("#")[0]
         record = self.state.nodes.nodes.get(name)
         if record is not None and record.node_id == node_id:
+            self.metrics.node_lost(reason)
+            self.timeline.record(EventKind.NODE_LOST, self.clock(), node_id=node_id, reason=reason)
             self.state.nodes.forget(name)
             await self._durable(self.state.persist_node(record, gone=True))
         await self._durable(self.state.persist(self.state.book.release_node(node_id)))

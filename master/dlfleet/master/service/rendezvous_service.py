@@ -19,8 +19,10 @@ from dlfleet.api.status import status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 from dlfleet.master.core.rendezvous import Round
 from dlfleet.master.service.membership import Membership
+from dlfleet.master.service.metrics import failure_reason_label
 from dlfleet.master.service.rpc import Clock, Durable, rpc
 from dlfleet.master.service.state import MasterState
+from dlfleet.master.service.timeline import EventKind
 
 _log = logging.getLogger(__name__)
 
@@ -156,6 +158,22 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         if request.local_rank < 0:
             raise InvalidArgument(f"local_rank must be >= 0, got {request.local_rank}")
         self.failures.append(request)
+        self.membership.metrics.worker_failed(request)
+        self.membership.timeline.record(
+            EventKind.WORKER_FAILED,
+            self.clock(),
+            node_id=request.node_id,
+            round=request.round,
+            local_rank=request.local_rank,
+            global_rank=request.global_rank,
+            exit_code=request.exit_code,
+            signal=request.signal,
+            reason=failure_reason_label(request),
+            restart_count=request.restart_count,
+            message=request.message.strip().splitlines()[-1][:500]
+            if request.message.strip()
+            else "",
+        )
         _log.error(
             "worker failed on %s (round %d, local rank %d, exit %d%s): %s",
             request.node_id,

@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
+from dlfleet.api.status_document import status_document
 from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
     job_pb2_grpc,
@@ -41,11 +43,14 @@ from dlfleet.master.core.events import Event
 from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.service import wire
 from dlfleet.master.service.checkpoint_service import CheckpointsService
+from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
+from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
-from dlfleet.master.service.status_service import MasterStatusService
+from dlfleet.master.service.status_service import MasterStatusService, job_status
+from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
 
@@ -105,6 +110,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             yield response
 
     async def _lease(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
+        start = time.perf_counter()
         consumer = wire.consumer_from_request(request)
         if request.count > 1 and isinstance(consumer, RoundConsumer):
             outcomes, events = self.state.book.lease_run(
@@ -116,6 +122,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             )
             outcomes = [outcome]
         await self.persist(events)
+        self.membership.metrics.leased(time.perf_counter() - start)
         return wire.lease_response(*outcomes)
 
     @rpc
@@ -196,6 +203,13 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             request.node_name, request.local_world_size, request.host, self.clock()
         )
         await self.durable.wait(self.state.persist_node(record))
+        self.membership.timeline.record(
+            EventKind.NODE_REGISTERED,
+            self.clock(),
+            node_id=record.node_id,
+            host=record.host,
+            local_world_size=record.local_world_size,
+        )
         if previous is not None:
             await self.membership.node_lost(previous.node_id, "was replaced by a new incarnation")
         liveness = self.state.nodes.settings
@@ -397,8 +411,12 @@ class MasterServer:
         tick_ms: int | None = None,
         extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
         tls: tuple[bytes, bytes] | None = None,
+        metrics: MasterMetrics | None = None,
+        http: HttpSettings | None = None,
     ) -> None:
-        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only."""
+        """`tls`: (certificate chain PEM, private key PEM) to serve TLS only
+        (HTTPS too). `metrics`: where to count (a fresh registry if None).
+        `http`: where to serve the HTTP endpoint (none if None)."""
         if not token:
             raise InvalidArgument("the master needs a non-empty job token")
         self.state = state
@@ -418,14 +436,20 @@ class MasterServer:
         self.rendezvous: RendezvousService | None = None
         self._extra_services = extra_services
         self._tls = tls
+        self.metrics = metrics if metrics is not None else MasterMetrics()
+        self.timeline = Timeline()
+        self._http_settings = http
+        self.http: HttpEndpoint | None = None
         self.port = 0
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
         durable = Durable(loop)
-        membership = Membership(self.state, self.clock, durable.wait)
+        membership = Membership(self.state, self.clock, durable.wait, self.metrics, self.timeline)
+        self.state.committer.on_commit = self.metrics.committed
+        self.state.on_events = self.metrics.shard_events
         server = grpc.aio.server(
-            interceptors=[TokenInterceptor(self._token), RequestGuard()],
+            interceptors=[RpcMetrics(self.metrics), TokenInterceptor(self._token), RequestGuard()],
             options=[
                 ("grpc.so_reuseport", 0),
                 # Clients ping every 10 s to notice a dead master on streams.
@@ -442,6 +466,7 @@ class MasterServer:
         )
         self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
+        self.metrics.watch(StateCollector(self.state, self.rendezvous.metrics, self.clock))
         job_pb2_grpc.add_MasterServicer_to_server(
             MasterStatusService(
                 self.state, self.rendezvous.failures, self.rendezvous.metrics, self.clock
@@ -464,9 +489,27 @@ class MasterServer:
         if self.port == 0:
             raise DlfleetError(f"could not bind the master to {self._address}")
         await server.start()
+        self._server = server
+        if self._http_settings is not None:
+            rendezvous = self.rendezvous
+            endpoint = HttpEndpoint(
+                self._http_settings,
+                token=self._token,
+                registry=self.metrics.registry,
+                status=lambda: status_document(
+                    job_status(self.state, rendezvous.failures, rendezvous.metrics, self.clock())
+                ),
+                tls=self._tls,
+                timeline=self.timeline,
+            )
+            try:
+                await endpoint.start()
+            except DlfleetError:
+                await server.stop(0)
+                raise
+            self.http = endpoint
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
         self._durable = durable
         self.membership = membership
         self._ticker = asyncio.create_task(self._tick_forever())
@@ -500,5 +543,7 @@ class MasterServer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._timer.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace_s)

@@ -75,6 +75,8 @@ class MasterState:
         self._store = store
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()
+        # Shown every shard event as it is persisted (the metrics count them).
+        self.on_events: Callable[[Sequence[Event]], None] | None = None
 
     # ------------------------------------------------------------ recovery
 
@@ -139,6 +141,8 @@ class MasterState:
         """Queue `events` (already applied) for a durable write. An empty list
         still waits for everything queued before it: an answer read from state
         that is not yet durable must not leave before that state is."""
+        if self.on_events is not None:
+            self.on_events(events)
         entries: list[tuple[str, str]] = []
         for event in events:
             stream = DATASET_PREFIX + event.dataset
@@ -156,6 +160,8 @@ class MasterState:
         self, events: Sequence[RendezvousEvent], shard_events: Sequence[Event] = ()
     ) -> Future[int]:
         """Rendezvous events and the shard events they caused, in one write."""
+        if self.on_events is not None:
+            self.on_events(shard_events)
         entries = [(RENDEZVOUS_STREAM, e.to_json()) for e in events]
         for event in shard_events:
             stream = DATASET_PREFIX + event.dataset

@@ -55,6 +55,39 @@ def master_status(
     return status
 
 
+def job_status(
+    state: MasterState,
+    failures: Iterable[rendezvous_pb2.FailureReport],
+    metrics: NodeMetricsView,
+    now_ms: int,
+) -> job_pb2.JobStatus:
+    """The job's status as this master alone knows it: the document of
+    `dlmaster status --json`, less what only the job's supervisor knows
+    (target nodes, processes, relaunches, the brain's plan: zero)."""
+    view = master_status(state, failures, metrics, now_ms)
+    status = job_pb2.JobStatus(
+        job_name=state.settings.job_name,
+        phase="running",
+        round=view.round,
+        world_size=view.world_size,
+        datasets=view.datasets,
+        eta_seconds=-1,
+        master_up=True,
+    )
+    reports = {report.node_id: report for report in view.nodes}
+    for record in sorted(state.nodes.nodes.values(), key=lambda r: r.name):
+        entry = job_pb2.NodeStatus(name=record.name, state="running", node_id=record.node_id)
+        report = reports.get(record.node_id)
+        if report is not None:
+            entry.metrics.CopyFrom(report.metrics)
+            status.samples_per_second += report.metrics.samples_per_second
+        status.nodes.append(entry)
+    if view.failures:
+        status.last_failure.CopyFrom(view.failures[-1])
+    status.checkpoints.CopyFrom(view.checkpoints)
+    return status
+
+
 class MasterStatusService(job_pb2_grpc.MasterServicer):
     def __init__(
         self,

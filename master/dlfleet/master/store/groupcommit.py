@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -66,6 +67,8 @@ class GroupCommitter:
         self._batches = 0
         self._entries = 0
         self._submissions = 0
+        # Told (seconds, entries) after each durable append, on the writer thread.
+        self.on_commit: Callable[[float, int], None] | None = None
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
@@ -135,6 +138,7 @@ class GroupCommitter:
 
     def _write(self, batch: list[_Submission]) -> None:
         entries = [entry for submission in batch for entry in submission.entries]
+        start = time.perf_counter()
         try:
             last = self._store.append(entries)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting future
@@ -145,6 +149,8 @@ class GroupCommitter:
             return
         self._batches += 1
         self._entries += len(entries)
+        if self.on_commit is not None:
+            self.on_commit(time.perf_counter() - start, len(entries))
         # Consecutive numbering: the batch took seqs last-len+1 .. last.
         seq = last - len(entries)
         for submission in batch:
