@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,21 @@ class Run:
         self.out.mkdir()
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def agent(self, name: str, steps: int, pause: float = 0.05) -> None:
+    def agent(
+        self,
+        name: str,
+        steps: int,
+        pause: float = 0.05,
+        *,
+        flags: Sequence[str] = (),
+        args: Sequence[str] = (),
+    ) -> None:
         argv = [
             sys.executable, "-m", "dlfleet.worker.agent.loop",
             "--nnodes", self.nodes, "--nproc-per-node", "1", "--max-restarts", "2",
             "--monitor-interval", "0.1", "--master", self.master.address,
-            "--node-name", name, "--log-dir", str(self.root / "logs" / name),
-            str(SCRIPT), str(self.out), str(steps), str(pause),
+            "--node-name", name, "--log-dir", str(self.root / "logs" / name), *flags,
+            str(SCRIPT), str(self.out), str(steps), str(pause), *args,
         ]  # fmt: skip
         with (self.root / f"{name}.log").open("wb") as log:
             self.agents[name] = subprocess.Popen(
@@ -196,3 +205,34 @@ def test_a_node_joining_a_job_that_restarts_in_place_starts_its_workers_warm(
     last_alone = max(line["time"] for line in alone if line["time"] < newcomer[0]["time"])
     first_together = min(line["time"] for line in both)
     print(f"node a waited {first_together - last_alone:.2f}s for the newcomer")
+
+
+def test_a_rank_hung_outside_any_collective_is_killed_with_its_stacks_logged(
+    run: Callable[[int, int], Run],
+) -> None:
+    """The watchdog ends the round; the peer leaves at once, the hung rank
+    cannot (it sleeps where no abort reaches), so after the abort timeout the
+    agent asks it for its stacks, kills it, and a spare takes its rank."""
+    job = run(2, 2)
+    watchdog = ["--step-timeout", "2"]
+    job.agent("a", steps=200, flags=watchdog, args=["1", "20"])
+    job.agent("b", steps=200, flags=watchdog, args=["1", "20"])
+    job.wait(lambda: _spare_ready(job, "a") and _spare_ready(job, "b"), "spares on both nodes")
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.log("a"), job.log("b"))
+
+    logs = job.log("a") + job.log("b")
+    assert "did not leave its round; killing it" in logs, logs
+    # faulthandler's dump of the hung rank: where it was stuck.
+    assert re.search(r'File ".*inprocess_steps\.py", line \d+ in train', logs), logs
+    first = {line["rank"]: line["pid"] for line in job.steps() if line["round"] == 1}
+    later = [line for line in job.steps() if line["round"] > 1]
+    final_round = max(line["round"] for line in later)
+    final = {line["rank"]: line for line in later if line["round"] == final_round}
+    assert final[0]["pid"] == first[0], "the rank waiting for its hung peer was killed too"
+    assert final[1]["pid"] != first[1]
+    for rank in (0, 1):
+        steps = sorted(
+            line["step"] for line in later if line["round"] == final_round and line["rank"] == rank
+        )
+        assert steps == list(range(200))

@@ -55,7 +55,7 @@ from dlfleet.worker.agent.workers import (
     WorkerGroup,
     attempt_log_dir,
 )
-from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV
+from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL
 from dlfleet.worker.progress import PROGRESS_ENV
 
 _log = logging.getLogger("dlworker")
@@ -74,8 +74,10 @@ CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
 ABORT_TIMEOUT_S = 3.0
 SPARE_DELAY_S = 3.0
 # A node of a job whose workers restart in place starts them as spares and
-# joins once they are warm, or after this long with those that are.
+# joins once they are warm, or after this long with those that are; once one
+# is warm, the others get this much longer (a straggler is started cold).
 WARM_START_TIMEOUT_S = 60.0
+WARM_START_STRAGGLER_S = 10.0
 # Variables that name one rank: a spare has none until it takes over a rank.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
 
@@ -419,16 +421,24 @@ class Agent:
         for _ in range(self.config.nproc_per_node):
             self.group.start_spare(self.config, env, self.log_dir)
         started = time.monotonic()
-        while time.monotonic() - started < WARM_START_TIMEOUT_S and not self.preempted.is_set():
+        deadline = started + WARM_START_TIMEOUT_S
+        while time.monotonic() < deadline and not self.preempted.is_set():
             for failure in self.group.reap_spares():
                 _log.warning("a warm-start process ended: %s", failure.message.strip()[-300:])
             warm = [pid for pid in self.orders.spares() if pid in self.group.spare_pids]
             if len(warm) >= self.config.nproc_per_node or not self.group.spare_pids:
                 break
+            if warm:
+                deadline = min(deadline, time.monotonic() + WARM_START_STRAGGLER_S)
             time.sleep(0.05)
+        warm = [pid for pid in self.orders.spares() if pid in self.group.spare_pids]
+        late = [pid for pid in self.group.spare_pids if pid not in warm]
+        for pid in late:
+            _log.warning("spare process %d is not warm yet; its stacks:", pid)
+            dump_stacks(pid)
         _log.info(
             "warm start: %d of %d worker(s) warm after %.2fs; joining",
-            len([pid for pid in self.orders.spares() if pid in self.group.spare_pids]),
+            len(warm),
             self.config.nproc_per_node,
             time.monotonic() - started,
         )
@@ -497,6 +507,8 @@ class Agent:
                 _log.error(
                     "local rank %d (pid %d) did not leave its round; killing it", local_rank, pid
                 )
+                if pid not in stopped:  # a stopped one cannot answer
+                    dump_stacks(pid)
                 group.kill(local_rank)
         # A killed process takes a moment to be reaped.
         deadline = time.monotonic() + 1.0
@@ -599,6 +611,16 @@ class Agent:
             self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
         except DlfleetError as error:
             _log.warning("could not leave the rendezvous cleanly: %s", error)
+
+
+def dump_stacks(pid: int, wait_s: float = 0.2) -> None:
+    """Ask a worker for its threads' stacks (`dlfleet.elastic` writes them to
+    its stderr on STACKS_SIGNAL) and give it a moment to write them."""
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except OSError:
+        return
+    time.sleep(wait_s)
 
 
 def process_stopped(pid: int) -> bool:

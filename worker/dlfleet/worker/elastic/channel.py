@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 _log = logging.getLogger(__name__)
 
 AGENT_ENV = "DLFLEET_AGENT"
+# A worker under dlworker writes its threads' stacks to stderr on this signal.
+STACKS_SIGNAL = signal.SIGUSR1
 SPARE_ENV = "DLFLEET_SPARE"
 CALL_TIMEOUT_S = 10.0
 

@@ -28,10 +28,12 @@ process and counts a restart).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -46,7 +48,7 @@ from dlfleet.api.errors import DlfleetError, StaleError
 from dlfleet.api.v1 import checkpoint_pb2
 from dlfleet.worker import progress
 from dlfleet.worker.elastic.abort import CollectiveAbort
-from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, AgentChannel
+from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL, AgentChannel
 
 _log = logging.getLogger("dlfleet.elastic")
 
@@ -149,6 +151,13 @@ def run(
     address = os.environ.get(AGENT_ENV)
     if not address:
         return _run_once(train, backend, timeout)
+    # The agent asks for every thread's stack (on stderr) before it kills a
+    # process that is stuck: the log then says where.
+    # (Chained to a handler the script set; never to the default: it ends
+    # the process.)
+    previous = signal.getsignal(STACKS_SIGNAL)
+    chain = previous not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=chain)
     if os.environ.get(SPARE_ENV) == "1":
         _name_process(SPARE_NAME)  # what `ps` shows until it takes over a rank
         warm_up(backend)  # before attaching: a spare that attached is ready
