@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -35,6 +35,7 @@ from dlfleet.master.core.events import (
     LeaseReleased,
     ShardFailed,
 )
+from dlfleet.master.service.rpc import Continuation
 from dlfleet.master.service.state import MasterState
 
 NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
@@ -321,9 +322,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)

@@ -20,6 +20,11 @@ import grpc
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.status import status_of
 
+# What a server interceptor calls for the next handler in the chain.
+Continuation = Callable[
+    [grpc.HandlerCallDetails], Awaitable["grpc.RpcMethodHandler[Any, Any] | None"]
+]
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 

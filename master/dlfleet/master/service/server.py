@@ -19,7 +19,7 @@ import hmac
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -47,7 +47,7 @@ from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.rendezvous_service import RendezvousService
-from dlfleet.master.service.rpc import Clock, Durable, rpc, system_clock
+from dlfleet.master.service.rpc import Clock, Continuation, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.status_service import MasterStatusService, job_status
 from dlfleet.master.service.timeline import EventKind, Timeline
@@ -326,9 +326,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
@@ -351,9 +349,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
