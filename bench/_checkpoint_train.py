@@ -167,6 +167,11 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
+def _step_of(path: Path) -> int:
+    """The step of a `step-<N>.pt` file or `step-<N>` folder that a save wrote."""
+    return int(path.name.removeprefix("step-").removesuffix(".pt"))
+
+
 def remove(path: Path | None) -> None:
     if path is None:
         return
@@ -188,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed saves per method")
     parser.add_argument("--saves", type=int, default=5, help="timed saves per method")
     parser.add_argument("--shm-dir", default="", help="the agent's image folder (measured)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout, seconds")
     args = parser.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
@@ -201,15 +208,20 @@ class Job:
     """The model, its optimizer and the checkpointer of one rank; the trial's loop."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         self.args = args
+        self.device = torch.device("cpu")
+        if args.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         layers: list[torch.nn.Module] = []
         for i in range(args.layers):
             if i:
                 layers.append(torch.nn.ReLU())
             layers.append(torch.nn.Linear(args.width, args.width))
-        self.model = torch.nn.Sequential(*layers)
+        self.model = torch.nn.Sequential(*layers).to(self.device)
         # Fused, and gradients kept allocated: a step of ~0.3 s instead of ~2.5 s
         # on one thread, so that the trial's time goes to the checkpoints.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
@@ -232,6 +244,7 @@ class Job:
 
     def train_step(self) -> None:
         batch = torch.randn(self.args.batch, self.args.width, generator=self._generator)
+        batch = batch.to(self.device)
         loss = self.model(batch).pow(2).mean()
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -262,12 +275,12 @@ class Job:
         method = saver.method
         self.sampler.phase()
         at_start = self.sampler.sample()
-        digest = 0.0
+        digests: dict[int, float] = {}  # of the state each save saved, by step
         for index in range(self.args.warmup + self.args.saves):
             self.train_step()
             saver.before_save()
             dist.barrier()
-            digest = self.fingerprint()
+            digests[self.step] = self.fingerprint()
             blocked, extra = saver.save(self.step, self.state())
             results.write(
                 "save",
@@ -292,10 +305,10 @@ class Job:
         for source, restore in plan:
             dist.barrier()
             started = time.perf_counter()
-            restore()
+            step = restore()
             took = time.perf_counter() - started
-            ok = self.fingerprint() == digest
-            results.write("restore", method=method, source=source, seconds=took, ok=ok)
+            ok = self.fingerprint() == digests.get(step)
+            results.write("restore", method=method, source=source, seconds=took, ok=ok, step=step)
             self.train_step()
         saver.finish()
 
@@ -386,7 +399,8 @@ class Saver:
         self.previous, self.last = self.last, folder
         return held.wall, {**extra, "cpu_s": held.cpu}
 
-    def restores(self) -> list[tuple[str, Callable[[], None]]]:
+    def restores(self) -> list[tuple[str, Callable[[], int]]]:
+        """(source, a restore that returns the step it brought back) of this method."""
         if self.method == "dlfleet":
             return [("memory", self._load_dlfleet)]
         names: list[Any] = [str(self.last) if self.last is not None else None]
@@ -398,22 +412,27 @@ class Saver:
         load = self._load_full if self.method.startswith("torch_save") else self._load_dcp
         return [("disk-cold", lambda: load(last)), ("disk-warm", lambda: load(last))]
 
-    def _load_dlfleet(self) -> None:
+    def _load_dlfleet(self) -> int:
+        """The newest committed step: the last save's, unless its commit (every
+        rank's notice through the agent to the master) is still on its way."""
         restored = self.job.checkpointer.load(self.job.state())
         if restored is None or restored.source != "memory":
             raise RuntimeError(f"dlfleet restored {restored and restored.source}, not memory")
         self.job.optimizer.load_state_dict(restored.state["optim"])
+        return int(restored.step)
 
-    def _load_full(self, path: Path) -> None:
+    def _load_full(self, path: Path) -> int:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
         self.job.model.load_state_dict(loaded["model"])
         self.job.optimizer.load_state_dict(loaded["optim"])
+        return _step_of(path)
 
-    def _load_dcp(self, folder: Path) -> None:
+    def _load_dcp(self, folder: Path) -> int:
         template = self.job.state()
         dcp_load(template, checkpoint_id=str(folder))
         self.job.model.load_state_dict(template["model"])
         self.job.optimizer.load_state_dict(template["optim"])
+        return _step_of(folder)
 
     def finish(self) -> None:
         dist.barrier()

@@ -7,6 +7,8 @@ disk.
     python bench/checkpoint.py            # 3 trials, 4096 x 6 layers (~1.2 GB per rank)
     python bench/checkpoint.py --quick    # 2 trials, 2048 x 6 layers (~0.3 GB per rank)
     python bench/checkpoint.py --methods dlfleet,torch_save,torch_save_nosync,dcp_async
+    python bench/checkpoint.py --device cuda      # the model on the GPU (save: device to pinned host)
+    python bench/checkpoint.py --threads 4        # torch threads per rank: dlfleet's copy splits over them
 
 The job (bench/_checkpoint_train.py, under the Python that runs this bench):
 2 ranks on this machine under dlfleet's `dlworker` agent (`--nnodes 1:1
@@ -287,6 +289,10 @@ class Trial:
                 str(self.args.saves),
                 "--shm-dir",
                 str(self.shm),
+                "--device",
+                self.args.device,
+                "--threads",
+                str(self.args.threads),
             ],
         )
         try:
@@ -573,7 +579,25 @@ def report_failures(results: list[TrialResult], records: list[dict[str, Any]]) -
         say(f"restores that did not bring back the saved state: {len(bad)}")
         for r in bad:
             say(f"  trial {r['trial']} rank {r['rank']} {r['method']} {r['source']}")
+    last_saved = {
+        (r["trial"], r["rank"], r["method"]): r["step"] for r in records if r["kind"] == "save"
+    }
+    older = [
+        r
+        for r in records
+        if r["kind"] == "restore" and r.get("step", -1) < last_saved.get(_key(r), -1)
+    ]
+    if older:
+        say()
+        say(
+            f"restores of a step before the last save (its commit was still on its way; "
+            f"load() restores only committed steps): {len(older)}"
+        )
     return not failures and not bad
+
+
+def _key(record: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return record["trial"], record["rank"], record["method"]
 
 
 def report_ratio(times: dict[str, list[float]], sound: bool) -> None:
@@ -612,6 +636,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="where trials write (system temp)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the images go (/dev/shm)")
     parser.add_argument("--keep", action="store_true", help="keep the trials' logs")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the model lives (cpu)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
     args = parser.parse_args(argv)
     if args.trials is None:
         args.trials = 2 if args.quick else 3
@@ -629,6 +657,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--methods names a method twice")
     if args.trials < 1 or args.saves < 1 or args.warmup < 0:
         parser.error("--trials and --saves must be positive, --warmup not negative")
+    if args.threads < 1:
+        parser.error("--threads must be positive")
     if args.width < 1 or args.layers < 1 or args.timeout <= 0:
         parser.error("--width, --layers and --timeout must be positive")
     return args
@@ -651,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint benchmark: {args.trials} trial(s) x {len(args.methods)} methods "
         f"({', '.join(args.methods)}), {args.warmup} warm-up + {args.saves} timed saves each; "
         f"{NPROC} ranks under dlworker, gloo, {args.layers} x Linear({args.width}, {args.width}) "
-        f"+ AdamW: ~{nbytes / GB:.2f} GB of state per rank; workdir {root}, images in {shm}"
+        f"+ AdamW on {args.device} ({args.threads} torch thread(s) per rank): "
+        f"~{nbytes / GB:.2f} GB of state per rank; workdir {root}, images in {shm}"
     )
     started = time.monotonic()
     results: list[TrialResult] = []

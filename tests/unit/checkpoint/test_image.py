@@ -59,6 +59,33 @@ def test_a_local_image_views_equal_the_saved_tensors_without_copying(tmp_path: P
     assert weight.data_ptr() == read_tensor(source, "model.2.weight").data_ptr()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_kind_of_tensor_view_is_saved_by_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Contiguous host tensors are memmoved (split in pieces over threads when
+    torch has several); views whose bytes are not their values are copied by
+    torch: transposed, negated or conjugated lazily, or offset into storage."""
+    monkeypatch.setattr(image, "_PARALLEL_COPY_BYTES", 4096)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    base = torch.arange(6000, dtype=torch.float32).view(60, 100)
+    complex_ = torch.randn(300, dtype=torch.complex64)
+    state = {
+        "whole": base.clone(),
+        "offset": base[7:],
+        "transposed": base.t(),
+        "negated": torch._neg_view(base),
+        "conjugated": complex_.conj(),
+        "empty": torch.empty(0, 3),
+        "bytes": torch.arange(70000, dtype=torch.uint8),
+    }
+    with ImageWriter(tmp_path, rank=0) as writer:
+        saved = writer.write(1, state, round=0, world_size=1, protect=None)
+    source = LocalImage(saved.header_path)
+    for key, value in state.items():
+        assert torch.equal(read_tensor(source, key), value.resolve_conj().resolve_neg()), key
+
+
 def test_shipped_header_and_body_bytes_make_the_same_image(tmp_path: Path) -> None:
     state = training_state(1)
     with ImageWriter(tmp_path, rank=0) as writer:

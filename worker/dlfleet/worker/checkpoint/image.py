@@ -17,6 +17,7 @@ Invariants of `ImageWriter` (see `files` for the layout):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import math
 import mmap
@@ -25,6 +26,7 @@ import secrets
 import warnings
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -439,18 +441,65 @@ def _is_primary(value: object, rank: int) -> bool:
 
 
 def _copy_items(body: torch.Tensor, planned: list[_Planned]) -> None:
+    """Copy every item into its span of `body`: host memory with memmove (split
+    over torch's intra-op threads when it has several), device memory with
+    asynchronous copies into the (pinned) body, waited for at the end."""
     devices: set[torch.device] = set()
+    spans: list[tuple[int, int, int]] = []  # (to, from, nbytes), host memory
+    keep: list[torch.Tensor] = []  # the sources of `spans`, alive until copied
+    base = body.data_ptr()
     for p in planned:
         span = body[p.record.offset : p.record.offset + p.record.length]
         if isinstance(p.data, memoryview):
             span.copy_(_as_bytes(p.data))
             continue
-        target = span.view(p.data.dtype).view(p.data.shape)
-        if p.data.is_cuda:
-            devices.add(p.data.device)
-        target.copy_(p.data.detach(), non_blocking=p.data.is_cuda)
+        data = p.data.detach()
+        if (
+            data.device.type == "cpu"
+            and data.layout == torch.strided
+            and data.is_contiguous()
+            and not (data.is_conj() or data.is_neg())
+        ):
+            spans.append((base + p.record.offset, data.data_ptr(), p.record.length))
+            keep.append(data)
+            continue
+        target = span.view(data.dtype).view(data.shape)
+        if data.is_cuda:
+            devices.add(data.device)
+        target.copy_(data, non_blocking=data.is_cuda)
+    _memmove_all(spans, torch.get_num_threads())
+    del keep
     for device in devices:
         torch.cuda.synchronize(device)
+
+
+def _memmove_all(spans: list[tuple[int, int, int]], threads: int) -> None:
+    """glibc's memmove streams large copies past the cache, faster than a
+    tensor copy_ (about 1.3x here); the GIL is released while it runs."""
+    total = sum(n for _, _, n in spans)
+    if threads <= 1 or total < 2 * _PARALLEL_COPY_BYTES:
+        for to, from_, n in spans:
+            ctypes.memmove(to, from_, n)
+        return
+    pieces = [
+        (to + at, from_ + at, min(_PARALLEL_COPY_BYTES, n - at))
+        for to, from_, n in spans
+        for at in range(0, n, _PARALLEL_COPY_BYTES)
+    ]
+    pool = _copy_pool(threads)
+    for _ in pool.map(lambda piece: ctypes.memmove(*piece), pieces):
+        pass
+
+
+_PARALLEL_COPY_BYTES = 64 * 2**20  # a piece of a copy split over threads
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _copy_pool(threads: int) -> ThreadPoolExecutor:
+    pool = _pools.get(threads)
+    if pool is None:
+        pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="dlfleet-copy")
+    return pool
 
 
 def _as_bytes(data: bytes | bytearray | memoryview) -> torch.Tensor:
