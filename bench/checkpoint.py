@@ -7,8 +7,8 @@ disk.
     python bench/checkpoint.py            # 3 trials, 4096 x 6 layers (~1.2 GB per rank)
     python bench/checkpoint.py --quick    # 2 trials, 2048 x 6 layers (~0.3 GB per rank)
     python bench/checkpoint.py --methods dlfleet,torch_save,torch_save_nosync,dcp_async
-    python bench/checkpoint.py --device cuda      # the model on the GPU (save: device to pinned host)
-    python bench/checkpoint.py --threads 4        # torch threads per rank: dlfleet's copy splits over them
+    python bench/checkpoint.py --device cuda      # the model on the GPU
+    python bench/checkpoint.py --threads 4        # torch threads per rank (the copy uses them)
 
 The job (bench/_checkpoint_train.py, under the Python that runs this bench):
 2 ranks on this machine under dlfleet's `dlworker` agent (`--nnodes 1:1

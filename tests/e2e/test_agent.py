@@ -181,12 +181,25 @@ def test_a_rank_that_fails_once_recovers_within_max_restarts(job: Callable[..., 
 def test_a_rank_that_always_fails_exhausts_restarts_with_the_root_cause(
     job: Callable[..., Any],
 ) -> None:
+    """torchrun's policy (diagnosis off): the same error, restarted until none are left."""
     _, agent, _ = job(1, 1)
-    a = agent("a", nproc=2, max_restarts=2, env={"FAIL_MODE": "always"})
+    a = agent(
+        "a", nproc=2, max_restarts=2, env={"FAIL_MODE": "always"}, flags=("--diagnosis", "off")
+    )
     code, out = finish(a)
     assert code == 1
     assert "restart 2 of 2" in out
     assert "local rank 0 on a#1" in out and "rank 0 always fails" in out
+
+
+def test_a_rank_that_fails_the_same_way_twice_stops_restarting(job: Callable[..., Any]) -> None:
+    _, agent, _ = job(1, 1)
+    a = agent("a", nproc=2, max_restarts=5, env={"FAIL_MODE": "always"})
+    code, out = finish(a)
+    assert code == 1
+    assert "restart 1 of 5" in out and "restart 2 of 5" not in out
+    assert "diagnosed user_error (rule same-error-again): fail_job" in out
+    assert "rank 0 always fails" in out
 
 
 def test_a_silent_hang_is_turned_into_a_restart_by_the_step_watchdog(

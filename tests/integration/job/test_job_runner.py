@@ -40,6 +40,16 @@ WORKER = textwrap.dedent(
         os.kill(os.getppid(), 9)  # a node that keeps dying: SIGKILL its agent
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
         raise ZeroDivisionError("rank " + os.environ["RANK"] + " divides by zero")
+    if os.environ.get("IMPORT_FAIL"):
+        import dlfleet_no_such_module  # a typo in the script's imports
+    if env["DLFLEET_NODE_ID"].startswith(os.environ.get("BROKEN_GPU_ON", "-")):
+        print("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", file=sys.stderr)
+        raise RuntimeError("CUDA error: unspecified launch failure")
+    flaky = os.path.join(out, "network-failed-once")
+    if env["DLFLEET_NODE_ID"].startswith(os.environ.get("NETWORK_FAIL_ON", "-")):
+        if not os.path.exists(flaky):
+            open(flaky, "w").close()
+            raise RuntimeError("[gloo/tcp/pair.cc:534] Read error: Connection reset by peer")
     from dlfleet.worker import progress
     deadline = time.monotonic() + float(os.environ.get("SECONDS_TO_RUN", "60"))
     while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
@@ -123,13 +133,100 @@ def test_the_job_token_is_never_logged(make_job: Any) -> None:
 
 
 def test_a_failing_rank_fails_the_job_with_its_traceback(make_job: Any) -> None:
-    job = make_job(nodes={"min": 2, "max": 2}, max_restarts=1).start(env={"FAIL_RANK": "1"})
-    code, _, err = job.finish()
+    job = make_job(nodes={"min": 2, "max": 2}, max_restarts=1, diagnosis={"enabled": False})
+    code, _, err = job.start(env={"FAIL_RANK": "1"}).finish()
     assert code == 1
     reason = err[err.index("FAILED") :]
     assert ": rank 1 (local rank 0) failed with exit code 1" in reason
     assert "after 1 restarts (max_restarts=1)" in reason
     assert "ZeroDivisionError: rank 1 divides by zero" in reason
+
+
+def test_the_same_error_twice_fails_the_job_without_spending_every_restart(
+    make_job: Any,
+) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, max_restarts=10).start(env={"FAIL_RANK": "1"})
+    code, _, err = job.finish()
+    assert code == 1
+    reason = err[err.index("FAILED") :]
+    assert "diagnosed user_error (rule same-error-again): not restarted" in reason
+    assert "ZeroDivisionError: rank 1 divides by zero" in reason
+    assert "restart 2 of 10" not in err + reason  # one restart spent, not ten
+
+
+def test_an_import_error_fails_the_job_in_one_attempt(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 1}, max_restarts=5).start(env={"IMPORT_FAIL": "1"})
+    code, out, err = job.finish()
+    assert code == 1
+    reason = err[err.index("FAILED") :]
+    assert "in round 1, diagnosed user_error (rule import-or-syntax-error)" in reason
+    assert "ModuleNotFoundError: No module named 'dlfleet_no_such_module'" in reason
+    assert "restart 1 of 5" not in out + err
+
+
+def test_a_hardware_fault_replaces_the_node_at_once(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 2}, max_restarts=3, max_node_relaunches=2)
+    job.start(env={"BROKEN_GPU_ON": "node-1#"})
+
+    def replaced() -> bool:
+        states = {n["name"]: (n["state"], n["relaunches"]) for n in job.status()["nodes"]}
+        return states.get("node-1") == ("faulty", 0) and states.get("node-2", ("",))[0] == "running"
+
+    job.wait_for(replaced, "node-1 retired at its first failure and node-2 started")
+    job.wait_for(lambda: any("node-2#1" in s["file"] for s in job.seen()), "node-2 working")
+    failure = job.status()["last_failure"]
+    assert (failure["rule"], failure["category"], failure["action"]) == (
+        "gpu-hardware",
+        "hardware",
+        "replace_node",
+    )
+    assert failure["restart_count"] == 0
+    event = job_events(job, "worker_failed")[-1]
+    assert (event["rule"], event["action"]) == ("gpu-hardware", "replace_node")
+    job.stop_workers()
+    code, out, err = job.finish()
+    assert code == 0, err
+    assert (
+        "node-1: its agent diagnosed a hardware fault (rule gpu-hardware): marked faulty, "
+        "replaced at once by node-2" in out
+    )
+
+
+def test_a_network_error_restarts_in_place(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}, max_restarts=3)
+    job.start(env={"NETWORK_FAIL_ON": "node-1#"})
+    job.wait_for(
+        lambda: (
+            {s["file"].split("-r")[0] for s in job.seen() if "-r2-" in s["file"]}
+            == {"node-0#1", "node-1#1"}
+        ),
+        "both nodes in the next round, the same agents",
+    )
+    failure = job.status()["last_failure"]
+    assert (failure["rule"], failure["category"], failure["action"]) == (
+        "network",
+        "network",
+        "restart",
+    )
+    (event,) = job_events(job, "worker_failed")
+    assert (event["rule"], event["category"], event["node_id"]) == (
+        "network",
+        "network",
+        "node-1#1",
+    )
+    job.stop_workers()
+    code, _, err = job.finish()
+    assert code == 0, err
+
+
+def job_events(job: Job, kind: str) -> list[dict[str, Any]]:
+    """The master's timeline entries of `kind`, through its HTTP API."""
+    token = (job.root / ".dlfleet" / "test-job" / "token").read_text().strip()
+    status, text = http_get(
+        job.status()["http_url"] + "/api/v1/events", {"Authorization": f"Bearer {token}"}
+    )
+    assert status == 200, text
+    return [e for e in json.loads(text)["events"] if e["kind"] == kind]
 
 
 def test_a_killed_node_is_replaced_and_the_job_still_succeeds(make_job: Any) -> None:

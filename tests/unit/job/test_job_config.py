@@ -9,6 +9,9 @@ import pytest
 
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.master.job.jobconfig import load_job_config, parse_job_config
+from dlfleet.worker.agent import config as agent_config
+
+RULE = {"name": "nfs", "category": "hardware", "action": "replace_node", "when": {"text": ["NFS"]}}
 
 
 @pytest.fixture
@@ -74,6 +77,14 @@ def test_a_module_command_is_not_a_path(base: Path) -> None:
         ({"command": "missing.py"}, "command: no such script"),
         ({"token_file": "nope.txt"}, "token_file: "),
         ({"nodes": {"min": 2, "max": 3}, "rendezvous": {"node_unit": 4}}, "node_unit 4 leaves"),
+        (
+            {"diagnosis": {"rules": [{"name": "x", "category": "bad", "action": "restart"}]}},
+            "diagnosis.rules: diagnosis.rules: rule 0 (x): category 'bad' is not one of",
+        ),
+        (
+            {"diagnosis": {"enabled": False, "rules": [RULE]}},
+            "rules are given but diagnosis is off",
+        ),
     ],
 )
 def test_bad_configs_name_the_field_and_the_reason(
@@ -82,6 +93,21 @@ def test_bad_configs_name_the_field_and_the_reason(
     with pytest.raises(InvalidArgument) as caught:
         parse(base, **fields)
     assert message.replace("Value error, ", "") in str(caught.value)
+
+
+def test_diagnosis_reaches_the_agents_as_flags(base: Path) -> None:
+    assert parse(base).diagnosis.agent_flags() == []
+    assert parse(base, diagnosis={"enabled": False}).diagnosis.agent_flags() == [
+        "--diagnosis",
+        "off",
+    ]
+    flags = parse(base, diagnosis={"rules": [RULE]}).diagnosis.agent_flags()
+    assert flags[0] == "--diagnosis-rules"
+    config = agent_config.parse_args(
+        [*flags, "train.py"], {"DLFLEET_MASTER": "m:1", "DLFLEET_TOKEN": "t"}
+    )
+    assert config.diagnosis.rules[0].name == "nfs"
+    assert config.diagnosis.rules[-1].name == "anything-else"
 
 
 def test_a_missing_required_field_is_named(base: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dlfleet.api.diagnosis import default_table, restart_only_table
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.agent.config import (
     MAX_AUTO_CPU_PROCESSES,
@@ -314,3 +315,35 @@ def test_the_step_watchdog_is_off_unless_asked_for() -> None:
     assert parse("train.py", env={"DLFLEET_STEP_TIMEOUT": "2.5"}).step_timeout_s == 2.5
     assert "--step-timeout" in str(error("--step-timeout", "soon", "train.py"))
     assert "must be > 0" in str(error("--step-timeout", "-1", "train.py"))
+
+
+def test_diagnosis_is_on_by_default_and_takes_more_rules(tmp_path: Path) -> None:
+    assert parse("train.py").diagnosis == default_table()
+    assert parse("--diagnosis", "off", "train.py").diagnosis == restart_only_table()
+    rule = "[{name: nfs, category: hardware, action: replace_node, when: {text: [NFS]}}]"
+    inline = parse("--diagnosis-rules", rule, "train.py").diagnosis
+    assert [r.name for r in inline.rules[:2]] == ["nfs", "hang-watchdog"]
+    (tmp_path / "rules.yaml").write_text("rules:\n  - " + rule[1:-1] + "\n")
+    from_file = parse("train.py", env={"DLFLEET_DIAGNOSIS_RULES": str(tmp_path / "rules.yaml")})
+    assert from_file.diagnosis == inline
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--diagnosis", "maybe"], "invalid choice: 'maybe'"),
+        (["--diagnosis-rules", "[{name: x}]"], "--diagnosis-rules: diagnosis rules: rule 0 (x)"),
+        (["--diagnosis-rules", "/no/such/rules.yaml"], "/no/such/rules.yaml: No such file"),
+        (
+            ["--diagnosis", "off", "--diagnosis-rules", "[]"],
+            "cannot add rules with --diagnosis off",
+        ),
+    ],
+)
+def test_bad_diagnosis_flags_are_refused(argv: list[str], message: str) -> None:
+    try:
+        error(*argv, "train.py")
+    except SystemExit:
+        assert "invalid choice" in message  # argparse's own refusal
+        return
+    assert message in str(error(*argv, "train.py"))

@@ -93,6 +93,8 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
         failure = status.last_failure
         message = failure.message.strip().splitlines()
         how = failure.signal or f"exit {failure.exit_code}"
+        if failure.rule:
+            how += f"; {failure.category}, rule {failure.rule}: {failure.action}"
         lines.append(
             f"  last failure: {failure.node_id} rank {failure.global_rank} ({how})"
             + (f": {message[-1][:120]}" if message else "")

@@ -12,6 +12,11 @@
     max_restarts: 3             # worker-group restarts per node before it fails
     step_timeout_s: 300         # watchdog: a rank that stops stepping this long is
                                 # restarted (a hang); default off
+    diagnosis:                  # what a worker failure's cause decides (see
+      enabled: true             # dlfleet/api/diagnosis_rules.yaml): a user error fails
+      rules: []                 # the job at once, a hardware fault replaces the node,
+                                # ...; `rules` (same form) are tried first; enabled:
+                                # false restarts in place whatever happened
     max_node_relaunches: 3      # replacements of dead nodes, for the whole job
     relaunch_delay_s: 2.0       # pause before a dead node is replaced
     rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
@@ -75,6 +80,7 @@ Read in the job supervisor process, and by `dlmaster status` / `dlmaster scale`
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -82,6 +88,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dlfleet.api.diagnosis import RuleError, parse_rules
 from dlfleet.api.errors import InvalidArgument
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -262,6 +269,34 @@ class BrainConfig(_Strict):
     grow_share: float = Field(default=0.5, ge=0.4, le=0.7)
 
 
+class DiagnosisConfig(_Strict):
+    enabled: bool = True
+    rules: list[dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("rules")
+    @classmethod
+    def _rules(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            parse_rules(value, source="diagnosis.rules")
+        except RuleError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DiagnosisConfig:
+        if self.rules and not self.enabled:
+            raise ValueError("rules are given but diagnosis is off (enabled: false)")
+        return self
+
+    def agent_flags(self) -> list[str]:
+        """The `dlworker` flags that carry this section."""
+        if not self.enabled:
+            return ["--diagnosis", "off"]
+        if self.rules:
+            return ["--diagnosis-rules", json.dumps(self.rules, separators=(",", ":"))]
+        return []
+
+
 class JobConfig(_Strict):
     name: str
     platform: Literal["local", "kubernetes"] = "local"
@@ -273,6 +308,7 @@ class JobConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     max_restarts: int = Field(default=3, ge=0, le=1_000)
     step_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    diagnosis: DiagnosisConfig = DiagnosisConfig()
     max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
     relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
     rendezvous: RendezvousConfig = RendezvousConfig()

@@ -74,6 +74,8 @@ POLL_S = 0.2
 RATE_WINDOW_S = 15.0
 EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
 EXIT_NODE_LOST = 3
+EXIT_NODE_FAULTY = 4  # its agent diagnosed a hardware fault
+EXIT_OUT_OF_MEMORY = 5  # its agent diagnosed a worker killed for memory
 FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
 STOP_GRACE_S = 15.0
@@ -405,6 +407,12 @@ class JobRunner:
             node.state = NodeState.FAILED
             self._finish(1, self._root_cause(node, how))
             return
+        if code == EXIT_NODE_FAULTY and not reason:
+            self._replace_faulty(node, "its agent diagnosed a hardware fault")
+            return
+        if code == EXIT_OUT_OF_MEMORY and not reason:
+            reason = REASON_OOM
+            how = "a worker was killed for memory (its agent's diagnosis)"
         if reason or code < 0 or code > 128 or code == EXIT_NODE_LOST:
             # Killed, lost the job, preempted (143), out of memory, evicted,
             # or its Pod deleted: the node is gone, not its training broken.
@@ -444,6 +452,37 @@ class JobRunner:
         node.state = NodeState.FAILED
         self._finish(1, f"{node.name}: dlworker ended with {how}; {self.platform.log_hint(node)}")
 
+    def _replace_faulty(self, node: Node, why: str) -> None:
+        """Retire `node` at once (no relaunch on the same machine) and start a
+        fresh one while relaunches last; else go on without it, or fail."""
+        assert self.platform is not None
+        node.state = NodeState.FAULTY
+        if self.client is not None:
+            with contextlib.suppress(DlfleetError):  # its report came before its exit
+                self.view = self.client.master_status()
+        report = self._last_failure(node.name)
+        rule = f" (rule {report.rule})" if report is not None and report.rule else ""
+        active = len(self.platform.active)
+        if active < self.target and self.relaunches_left > 0:
+            self.relaunches_left -= 1
+            fresh = self.platform.add_node()
+            _log.warning(
+                "%s: %s%s: marked faulty, replaced at once by %s (%d relaunches left)",
+                node.name, why, rule, fresh.name, self.relaunches_left,
+            )  # fmt: skip
+            return
+        if active >= self.config.nodes.min:
+            _log.warning(
+                "%s: %s%s: marked faulty; going on with %d nodes", node.name, why, rule, active
+            )
+            return
+        self._finish(
+            1,
+            f"{node.name}: {why}{rule}, and no relaunch is left to replace it "
+            f"(max_node_relaunches={self.config.max_node_relaunches}); "
+            f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}",
+        )
+
     def _memory_after(self, node: Node) -> int | None:
         """The memory limit for a node relaunched after running out of it:
         the current limit times the job's factor, capped. None where the
@@ -471,10 +510,16 @@ class JobRunner:
         if report is None:
             return f"{node.name}: its workers failed ({how}); {hint}"
         what = report.signal or f"exit code {report.exit_code}"
+        if report.action == "fail_job":
+            why = (
+                f"diagnosed {report.category} (rule {report.rule}): not restarted, "
+                f"restarting cannot help"
+            )
+        else:
+            why = f"after {report.restart_count} restarts (max_restarts={self.config.max_restarts})"
         return (
             f"{node.name}: rank {report.global_rank} (local rank {report.local_rank}) failed "
-            f"with {what} in round {report.round}, after {report.restart_count} restarts "
-            f"(max_restarts={self.config.max_restarts}):\n{report.message.rstrip()}\n"
+            f"with {what} in round {report.round}, {why}:\n{report.message.rstrip()}\n"
             f"({hint})"
         )
 

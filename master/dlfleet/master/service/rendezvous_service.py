@@ -170,6 +170,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             signal=request.signal,
             reason=failure_reason_label(request),
             restart_count=request.restart_count,
+            rule=request.rule,
+            category=request.category,
+            action=request.action,
             message=request.message.strip().splitlines()[-1][:500]
             if request.message.strip()
             else "",

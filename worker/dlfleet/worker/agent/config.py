@@ -39,6 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+import yaml
+
+from dlfleet.api.diagnosis import (
+    RuleError,
+    RuleTable,
+    default_table,
+    parse_rules,
+    restart_only_table,
+)
 from dlfleet.api.errors import InvalidArgument
 
 MASTER_ENV = "DLFLEET_MASTER"
@@ -47,6 +56,8 @@ JOB_ENV = "DLFLEET_JOB"
 NODE_NAME_ENV = "DLFLEET_NODE_NAME"
 STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
 SPARES_ENV = "DLFLEET_SPARES"
+DIAGNOSIS_ENV = "DLFLEET_DIAGNOSIS"
+DIAGNOSIS_RULES_ENV = "DLFLEET_DIAGNOSIS_RULES"
 
 # `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
 # an explicit integer is never capped.
@@ -178,6 +189,9 @@ class AgentConfig:
     # each ready to take over a failed rank at once; only for scripts that
     # run their training through `dlfleet.elastic.run`.
     spares: int = 1
+    # What a worker failure's cause decides (dlfleet.api.diagnosis); the
+    # restart-only table is torchrun's policy: restart in place, whatever it was.
+    diagnosis: RuleTable = field(default_factory=default_table)
 
     def __post_init__(self) -> None:
         if not self.training_script:
@@ -321,6 +335,23 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "spare worker processes kept started for in-process restarts (scripts that use "
             f"dlfleet.elastic.run; default 1; env {SPARES_ENV})"
+        ),
+    )
+    add(
+        "--diagnosis",
+        choices=("on", "off"),
+        help=(
+            "on (default): act on a failure's cause (fail the job at once for a user error, "
+            "replace the node for a hardware one...); off: always restart in place "
+            f"(env {DIAGNOSIS_ENV})"
+        ),
+    )
+    add(
+        "--diagnosis-rules",
+        dest="diagnosis_rules",
+        help=(
+            "more diagnosis rules, tried before the shipped ones: a YAML/JSON list inline, "
+            f"or a file holding one (env {DIAGNOSIS_RULES_ENV})"
         ),
     )
     add("training_script", help="the training script (or module, with -m), then its arguments")
@@ -491,6 +522,10 @@ def parse_args(
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
     step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
     spares = src.get("spares", "--spares", SPARES_ENV)
+    diagnosis = _diagnosis(
+        src.get("diagnosis", "--diagnosis", DIAGNOSIS_ENV),
+        src.get("diagnosis_rules", "--diagnosis-rules", DIAGNOSIS_RULES_ENV),
+    )
 
     return AgentConfig(
         training_script=str(args.training_script),
@@ -513,7 +548,33 @@ def parse_args(
         node_name=node.text if node else probe.hostname(),
         step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
         spares=_int(spares, 0) if spares else 1,
+        diagnosis=diagnosis,
     )
+
+
+def _diagnosis(switch: _Value | None, rules: _Value | None) -> RuleTable:
+    if switch is not None and switch.text not in ("on", "off"):
+        raise ConfigError(switch.source, f"must be on or off, got {switch.text!r}")
+    if switch is not None and switch.text == "off":
+        if rules is not None:
+            raise ConfigError(rules.source, "cannot add rules with --diagnosis off")
+        return restart_only_table()
+    if rules is None:
+        return default_table()
+    text = rules.text.strip()
+    if not text.startswith(("[", "{", "-")):
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(rules.source, f"{rules.text}: {exc.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+        items = document.get("rules") if isinstance(document, dict) else document
+        return default_table().with_rules_first(parse_rules(items, source="diagnosis rules"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(rules.source, f"not YAML or JSON: {exc}") from None
+    except RuleError as exc:
+        raise ConfigError(rules.source, str(exc)) from None
 
 
 def config_or_exit(

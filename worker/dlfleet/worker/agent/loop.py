@@ -5,6 +5,7 @@ One state object per phase, advanced by `step()` (Ray Train's controller):
     Joining -> Running -> Succeeded                      (exit 0)
                        -> Restarting(failure) -> Joining (a worker failed: one
                                                           restart consumed)
+                                              -> Failed   (diagnosed: exit 1, 4, 5)
                        -> Rejoining(reason)  -> Joining  (the world changed:
                                                           no restart consumed)
                        -> Failed(failure)                 (restarts exhausted:
@@ -13,11 +14,18 @@ One state object per phase, advanced by `step()` (Ray Train's controller):
                                                           job: exit 3)
                        -> Preempted                       (SIGTERM: exit 143)
 
-Exit 1 means the training itself failed; exit 3 means the node could not take
-part (master unreachable, dropped for missed heartbeats, rendezvous timed out),
-so a platform may replace it; exit 143 (128 + SIGTERM, as for any terminated
-process) means it left when told to: preempted, or scaled down. Only exit 0
-says the work is done.
+Every worker failure is diagnosed first (`dlfleet.api.diagnosis`: a rule
+table over the exit, the error file, the stderr tail, OOM kills and the
+watchdog), and the rule's action decides: restart in place, or end the node
+at once, spending no restart that cannot help.
+
+Exit 1 means the training itself failed (restarts exhausted, or a user error
+diagnosed); exit 3 means the node could not take part (master unreachable,
+dropped for missed heartbeats, rendezvous timed out), so a platform may
+replace it; exit 4 means a hardware fault was diagnosed: replace the node,
+do not retry it; exit 5 means it ran out of memory: relaunch it with more;
+exit 143 (128 + SIGTERM, as for any terminated process) means it left when
+told to: preempted, or scaled down. Only exit 0 says the work is done.
 
 What makes restarts never hang: the master pushes "re-rendezvous" on the
 agent's session the moment a peer dies or a node waits, and the agent then
@@ -41,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy
+from dlfleet.api.diagnosis import Action, FailureFacts, Verdict, diagnose
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.agent.config import AgentConfig
@@ -110,6 +119,14 @@ class Rejoining:
 
 EXIT_WORKERS_FAILED = 1
 EXIT_NODE_LOST = 3
+EXIT_NODE_FAULTY = 4  # diagnosed: a hardware fault, replace this node
+EXIT_OUT_OF_MEMORY = 5  # diagnosed: relaunch this node with more memory
+# The node's exit code for each diagnosis action that ends it.
+_EXIT_FOR = {
+    Action.FAIL_JOB: EXIT_WORKERS_FAILED,
+    Action.REPLACE_NODE: EXIT_NODE_FAULTY,
+    Action.RELAUNCH_NODE_WITH_MORE_MEMORY: EXIT_OUT_OF_MEMORY,
+}
 EXIT_PREEMPTED = 128 + 15  # SIGTERM
 
 
@@ -122,6 +139,7 @@ class Succeeded:
 class Failed:
     failure: WorkerFailure | None
     reason: str
+    exit_code: int = EXIT_WORKERS_FAILED  # EXIT_NODE_LOST without a failure
 
 
 @dataclass(frozen=True)
@@ -171,12 +189,14 @@ class Agent:
         self._aborted_round = 0
         self._envs: list[dict[str, str]] = []
         self._spares_due = 0.0
+        self._previous_exception = ""  # of this node's last failure, for `repeated` rules
 
     # ---------------------------------------------------------------- life
 
     def run(self) -> int:
         """Run until the workers succeed (0), fail for good (1), the node is
-        lost to the job (3), or the agent is preempted (143)."""
+        lost to the job (3), diagnosed faulty (4) or out of memory (5), or the
+        agent is preempted (143)."""
         try:
             registered = self.client.register_node(
                 job_name=self.config.job_name,
@@ -207,7 +227,7 @@ class Agent:
             self.client.close()
         if isinstance(phase, Failed):
             _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
-            return EXIT_WORKERS_FAILED if phase.failure is not None else EXIT_NODE_LOST
+            return phase.exit_code if phase.failure is not None else EXIT_NODE_LOST
         if isinstance(phase, Preempted):
             return EXIT_PREEMPTED
         return 0
@@ -220,20 +240,42 @@ class Agent:
         if isinstance(phase, Running):
             return self._watch(phase)
         if isinstance(phase, Restarting):
-            self._report(phase.failure, phase.restart_count)
-            if phase.restart_count >= self.config.max_restarts:
-                return Failed(phase.failure, _describe(phase.failure, self.node_id))
-            _log.warning(
-                "worker failed (%s); restart %d of %d",
-                _describe(phase.failure, self.node_id),
-                phase.restart_count + 1,
-                self.config.max_restarts,
-            )
-            return Joining(phase.restart_count + 1)
+            return self._after_failure(phase)
         if isinstance(phase, Rejoining):
             _log.info("re-rendezvous: %s", phase.reason)
             return Joining(phase.restart_count)
         raise AssertionError(f"no step from {phase}")
+
+    def _after_failure(self, phase: Restarting) -> Phase:
+        """Diagnose the failure, report it, and act on the verdict: end the
+        node (the job fails, the node is replaced or relaunched bigger) or
+        restart in place while restarts last."""
+        failure = phase.failure
+        facts = FailureFacts(
+            exit_code=failure.exit_code,
+            signal=failure.signal_name or "",
+            message=failure.message,
+            traceback=failure.traceback or "",
+            stderr_tail=failure.stderr_tail,
+            oom_killed=failure.oom_killed,
+            hung=failure.hung,
+            previous_exception=self._previous_exception,
+        )
+        verdict = diagnose(facts, self.config.diagnosis)
+        self._previous_exception = facts.signature
+        self._report(failure, phase.restart_count, verdict)
+        described = f"{_describe(failure, self.node_id)}; diagnosed {verdict.describe()}"
+        if verdict.action in _EXIT_FOR:
+            return Failed(failure, described, _EXIT_FOR[verdict.action])
+        if phase.restart_count >= self.config.max_restarts:
+            return Failed(failure, described)
+        _log.warning(
+            "worker failed (%s); restart %d of %d",
+            described,
+            phase.restart_count + 1,
+            self.config.max_restarts,
+        )
+        return Joining(phase.restart_count + 1)
 
     def _start_server(self) -> tuple[AgentServer, ImageKeeper]:
         socket_path = (
@@ -571,7 +613,7 @@ class Agent:
                 )
                 _log.error("local rank %d %s", local_rank, message)
                 return WorkerFailure(
-                    local_rank, pid, exit_code=-1, signal_name=None, message=message
+                    local_rank, pid, exit_code=-1, signal_name=None, message=message, hung=True
                 )
         return None
 
@@ -582,7 +624,7 @@ class Agent:
             self.group.stop(STOP_TIMEOUT_S)
             self.group = None
 
-    def _report(self, failure: WorkerFailure, restart_count: int) -> None:
+    def _report(self, failure: WorkerFailure, restart_count: int, verdict: Verdict) -> None:
         round_ = self.rounds[-1] if self.rounds else None
         message = failure.message
         if failure.traceback:
@@ -597,6 +639,9 @@ class Agent:
             signal=failure.signal_name or "",
             message=message[-8000:],
             restart_count=restart_count,
+            rule=verdict.rule,
+            category=verdict.category.value,
+            action=verdict.action.value,
         )
         try:
             self.client.report_worker_failure(report)

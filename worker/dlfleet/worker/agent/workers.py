@@ -92,6 +92,9 @@ class WorkerFailure:
     traceback: str | None = None
     timestamp: int | None = None  # seconds since the epoch, from the error file
     error_file: str | None = None  # the error file, when the worker wrote one
+    stderr_tail: str = ""  # the end of its stderr log, when it has one
+    oom_killed: bool = False  # the kernel's OOM killer struck on this node meanwhile
+    hung: bool = False  # found by the step watchdog, not by its exit
 
 
 @dataclass(frozen=True)
@@ -483,15 +486,16 @@ class WorkerGroup:
         code = worker.proc.returncode
         signal_name = _signal_name(code)
         report = read_error_file(worker.error_file) if worker.error_file else None
+        for pump in worker.pumps:  # a tee'd stderr may still be draining
+            pump.thread.join(timeout=1.0)
+        tail = _tail(worker.stderr_log, STDERR_TAIL_LINES) if worker.stderr_log else None
+        oom_killed = signal_name == "SIGKILL" and self._oom_killed()
         if report is not None:
             message, traceback, timestamp = report.message, report.traceback, report.timestamp
         else:
             traceback, timestamp = None, None
-            for pump in worker.pumps:  # a tee'd stderr may still be draining
-                pump.thread.join(timeout=1.0)
-            tail = _tail(worker.stderr_log, STDERR_TAIL_LINES) if worker.stderr_log else None
             summary = f"killed by {signal_name}" if signal_name else f"exited with code {code}"
-            if signal_name == "SIGKILL" and self._oom_killed():
+            if oom_killed:
                 summary += " (out of memory: the kernel's OOM killer)"
             message = f"{summary}; stderr ends with:\n{tail}" if tail else summary
         return WorkerFailure(
@@ -503,6 +507,8 @@ class WorkerGroup:
             traceback=traceback,
             timestamp=timestamp,
             error_file=str(worker.error_file) if report is not None else None,
+            stderr_tail=tail or "",
+            oom_killed=oom_killed,
         )
 
     def _oom_killed(self) -> bool:

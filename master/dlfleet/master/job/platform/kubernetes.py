@@ -460,6 +460,7 @@ class KubernetesPlatform(Platform[KubeNode]):
         ]  # fmt: skip
         if config.step_timeout_s is not None:
             command += ["--step-timeout", str(config.step_timeout_s)]
+        command += config.diagnosis.agent_flags()
         if config.module:
             command.append("--module")
         command += [config.script, *config.args]

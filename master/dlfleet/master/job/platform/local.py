@@ -152,6 +152,7 @@ class LocalPlatform(Platform[LocalNode]):
         ]  # fmt: skip
         if config.step_timeout_s is not None:
             command += ["--step-timeout", str(config.step_timeout_s)]
+        command += config.diagnosis.agent_flags()
         if config.module:
             command.append("--module")
         return [*command, config.script, *config.args]
