@@ -6,14 +6,18 @@ token. The page itself runs in a browser in tests/e2e/test_dashboard.py."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import shutil
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from harness import TOKEN, Running
+from harness import TOKEN, Running, make_cert
 
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.http_api import HttpSettings
@@ -25,10 +29,12 @@ BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 Answer = tuple[int, dict[str, str], bytes]
 
 
-def get(url: str, headers: dict[str, str] | None = None) -> Answer:
+def get(
+    url: str, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None
+) -> Answer:
     request = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
+        with urllib.request.urlopen(request, timeout=10, context=context) as answer:
             return int(answer.status), dict(answer.headers.items()), answer.read()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers.items()), error.read()
@@ -134,3 +140,32 @@ def test_the_status_names_each_nodes_ranks_in_the_active_round(
     status, _, body = get(base(running) + "/api/v1/status", {"X-Dlfleet-Token": TOKEN})
     assert status == 200
     assert json.loads(body)["nodes"][0]["ranks"] == [0, 1]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_tls_master_serves_the_dashboard_over_https_with_a_secure_cookie(
+    tmp_path: Path, start_master: Callable[..., Running]
+) -> None:
+    from dlfleet.master.service.server import load_tls_pair
+
+    cert, key = make_cert(tmp_path, "master")
+    running = start_master(http=HttpSettings(), tls=load_tls_pair(cert, key))
+    url = base(running)
+    assert url.startswith("https://")
+    verified = ssl.create_default_context(cafile=str(cert))
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", running.server.http.port, timeout=10, context=verified
+    )
+    connection.request("GET", f"/login?token={TOKEN}")
+    answer = connection.getresponse()
+    answer.read()
+    cookie = answer.getheader("Set-Cookie") or ""
+    assert answer.status == 302 and "Secure" in cookie and "HttpOnly" in cookie
+    connection.close()
+    browser = {"Accept": BROWSER, "Cookie": cookie.split(";")[0]}
+    status, _, body = get(url + "/", browser, context=verified)
+    assert status == 200 and b"/static/dashboard.js" in body
+    # The page names its files and data by path only: they come over TLS too.
+    assert b"http://" not in body and b"https://" not in body
+    script = get(url + "/static/dashboard.js", context=verified)[2]
+    assert b"http://" not in script.replace(b"http://www.w3.org/2000/svg", b"")

@@ -12,6 +12,7 @@ const GAP_MS = 5000; // a longer silence breaks a chart's line
 const LOST_KEEP_MS = 10 * 60 * 1000;
 
 const state = {
+  openedAt: Date.now(), // the charts' time axis starts here until it is CHART_WINDOW_MS long
   nodes: new Map(), // name -> {card, history, doc, lostAt}
   datasets: new Map(), // name -> {row, history}
   jobRate: [], // [{t, v}] samples/s of the whole job
@@ -30,7 +31,7 @@ function h(tag, attrs, ...children) {
     if (key === "class") el.className = value;
     else el.setAttribute(key, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === undefined || child === null || child === false) continue;
     el.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -133,14 +134,17 @@ function svg(tag, attrs) {
   return el;
 }
 
-/** A sparkline of `points` ({t, v}) over the last CHART_WINDOW_MS, drawn in
- * the container's own pixels so that the line stays crisp. */
+/** A sparkline of `points` ({t, v}) over the last CHART_WINDOW_MS (or since
+ * the page opened), drawn in the container's own pixels so that the line stays
+ * crisp. Every chart has the same time axis. */
 function sparkline(container, points, now, unit) {
   const width = container.clientWidth;
   const height = container.clientHeight;
   if (width === 0 || height === 0) return;
   const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
-  const shown = points.filter((p) => p.t >= now - CHART_WINDOW_MS && p.v !== null);
+  const start = Math.max(now - CHART_WINDOW_MS, state.openedAt);
+  const span = Math.max(now - start, 10000);
+  const shown = points.filter((p) => p.t >= start && p.v !== null);
   if (shown.length === 0) {
     const label = svg("text", { x: 0, y: height - 4, class: "nodata" });
     label.textContent = "waiting for data";
@@ -151,7 +155,7 @@ function sparkline(container, points, now, unit) {
   const max = Math.max(...shown.map((p) => p.v)) || 1;
   const top = max * 1.15;
   const pad = 3;
-  const x = (t) => ((t - (now - CHART_WINDOW_MS)) / CHART_WINDOW_MS) * (width - pad) + 0.5;
+  const x = (t) => ((t - (now - span)) / span) * (width - pad) + 0.5;
   const y = (v) => height - pad - (v / top) * (height - 2 * pad);
   // One line per run of points without a silence longer than GAP_MS.
   const runs = [];
@@ -176,7 +180,7 @@ function sparkline(container, points, now, unit) {
   root.append(svg("circle", { class: "tip", cx: x(tip.t), cy: y(tip.v), r: 2.6 }));
   const title = svg("title", {});
   const low = Math.min(...shown.map((p) => p.v));
-  title.textContent = `last 3 min: ${fmtRate(low)}–${fmtRate(max)} ${unit}`;
+  title.textContent = `last ${fmtDuration(span / 1000)}: ${fmtRate(low)}–${fmtRate(max)} ${unit}`;
   root.append(title);
   container.replaceChildren(root);
 }
@@ -317,7 +321,7 @@ function nodeCard(name) {
     h(
       "div",
       { class: "metrics" },
-      h("div", { class: "metric" }, h("div", { class: "label" }, "samples/s"), parts.sps, parts.spsChart),
+      h("div", { class: "metric" }, h("div", { class: "label" }, "throughput"), parts.sps, parts.spsChart),
       h("div", { class: "metric" }, h("div", { class: "label" }, "step time"), parts.step, parts.stepChart),
     ),
   );
@@ -399,6 +403,7 @@ function updateNode(entry, doc, now) {
   if (node.detail) facts.push(h("span", {}, node.detail));
   parts.facts.replaceChildren(...facts);
   const live = !entry.lostAt && m;
+  entry.card.dataset.samplesPerSecond = live ? String(num(m.samples_per_second)) : "0";
   parts.sps.replaceChildren(live ? fmtRate(m.samples_per_second) : "–", " ", h("small", {}, "samples/s"));
   const step = live && num(m.step_time_ms) > 0 ? fmtRate(m.step_time_ms) : "–";
   parts.step.replaceChildren(step, " ", h("small", {}, "ms"));
@@ -490,12 +495,15 @@ function renderCheckpoints(doc) {
     ["persisted step", step(c.persisted_step)],
     ["held in memory", fmtBytes(c.bytes_held)],
   ];
-  if (c.persisted_path) rows.push(["persisted to", c.persisted_path]);
-  const key = JSON.stringify(rows);
+  const path = c.persisted_path || "";
+  const parts = path.split("/").filter(Boolean);
+  if (path) rows.push(["persisted to", parts.length > 2 ? `…/${parts.slice(-2).join("/")}` : path]);
+  const key = JSON.stringify(rows) + path;
   const box = $("checkpoints");
   if (box.dataset.key === key) return;
   box.dataset.key = key;
-  box.replaceChildren(h("dl", { class: "kv" }, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+  const items = rows.map(([k, v]) => [h("dt", {}, k), h("dd", { title: k === "persisted to" ? path : null }, v)]);
+  box.replaceChildren(h("dl", { class: "kv" }, items));
 }
 
 // ------------------------------------------------------------------ timeline
@@ -515,8 +523,16 @@ function describe(e) {
     case "node_lost":
       return [`${e.node_id} lost`, e.reason || "", "node_lost"];
     case "worker_failed": {
-      const cause = e.signal ? e.signal : `exit ${e.exit_code}`;
-      const bits = [cause, e.reason, `restart ${e.restart_count}`, e.message].filter(Boolean);
+      // The signal, the reason's label and the message often say the same.
+      const bits = [];
+      for (const bit of [e.signal || `exit ${e.exit_code}`, e.reason, e.message]) {
+        const low = String(bit || "").toLowerCase();
+        if (!low || bits.some((said) => said.toLowerCase().includes(low))) continue;
+        const shorter = bits.findIndex((said) => low.includes(said.toLowerCase()));
+        if (shorter >= 0) bits[shorter] = String(bit);
+        else bits.push(String(bit));
+      }
+      bits.push(`restart ${e.restart_count}`);
       return [`Worker failed on ${e.node_id} (rank ${e.global_rank})`, bits.join(" · "), "worker_failed"];
     }
     default:
