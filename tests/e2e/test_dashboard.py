@@ -77,6 +77,8 @@ def test_the_dashboard_shows_nodes_progress_and_a_killed_worker(
         browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
             page.set_default_timeout(PAGE_TIMEOUT_MS)
             page.goto(f"{url}/login?token={TOKEN}")
             assert page.url == f"{url}/"  # the cookie is set; the token is out of the address
@@ -117,6 +119,7 @@ def test_the_dashboard_shows_nodes_progress_and_a_killed_worker(
 
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
+            assert errors == [], errors  # the page's script never failed
         finally:
             browser.close()
     SCREENSHOT_DIR.mkdir(exist_ok=True)

@@ -136,8 +136,9 @@ function svg(tag, attrs) {
 
 /** A sparkline of `points` ({t, v}) over the last CHART_WINDOW_MS (or since
  * the page opened), drawn in the container's own pixels so that the line stays
- * crisp. Every chart has the same time axis. */
-function sparkline(container, points, now, unit) {
+ * crisp. Every chart has the same time axis. `marks` ({t, kind}) are events
+ * drawn as vertical lines: failures, closed rounds. */
+function sparkline(container, points, now, unit, marks = []) {
   const width = container.clientWidth;
   const height = container.clientHeight;
   if (width === 0 || height === 0) return;
@@ -176,6 +177,11 @@ function sparkline(container, points, now, unit) {
     root.append(svg("path", { class: "area", d: `${line.join("")}L${last},${base}L${first},${base}Z` }));
     root.append(svg("path", { class: "line", d: line.join("") }));
   }
+  for (const mark of marks) {
+    if (mark.t < start || mark.t > now) continue;
+    const at = x(mark.t).toFixed(1);
+    root.append(svg("line", { class: `event ${mark.kind}`, x1: at, x2: at, y1: 0, y2: height - pad }));
+  }
   const tip = shown[shown.length - 1];
   root.append(svg("circle", { class: "tip", cx: x(tip.t), cy: y(tip.v), r: 2.6 }));
   const title = svg("title", {});
@@ -210,7 +216,15 @@ function renderHeader(doc, now) {
   setText($("stat-sps"), fmtRate(doc.samples_per_second));
   state.jobRate.push({ t: now, v: num(doc.samples_per_second) });
   prune(state.jobRate, now, HISTORY_MS);
-  sparkline($("chart-sps"), state.jobRate, now, "samples/s");
+  sparkline($("chart-sps"), state.jobRate, now, "samples/s", eventMarks(() => true));
+}
+
+/** The timeline's failures and closed rounds (of one node, or all) as chart marks. */
+function eventMarks(concerns) {
+  const kinds = { worker_failed: "bad", node_lost: "bad", round_closed: "warn" };
+  return state.events
+    .filter((e) => kinds[e.kind] && concerns(e))
+    .map((e) => ({ t: e.at_ms, kind: kinds[e.kind] }));
 }
 
 // ------------------------------------------------------------------ datasets
@@ -408,8 +422,10 @@ function updateNode(entry, doc, now) {
   const step = live && num(m.step_time_ms) > 0 ? fmtRate(m.step_time_ms) : "–";
   parts.step.replaceChildren(step, " ", h("small", {}, "ms"));
   const points = (key) => entry.history.map((p) => ({ t: p.t, v: p[key] }));
-  sparkline(parts.spsChart, points("sps"), now, "samples/s");
-  sparkline(parts.stepChart, points("step"), now, "ms");
+  const name = entry.card.dataset.node;
+  const marks = eventMarks((e) => e.kind !== "round_closed" && String(e.node_id).split("#")[0] === name);
+  sparkline(parts.spsChart, points("sps"), now, "samples/s", marks);
+  sparkline(parts.stepChart, points("step"), now, "ms", marks);
 }
 
 // ------------------------------------------------------------------ failure, plan, checkpoints
@@ -587,22 +603,13 @@ function setLive(ok, text) {
 
 async function poll() {
   const now = Date.now();
+  let doc;
+  let events;
   try {
-    const [doc, events] = await Promise.all([
+    [doc, events] = await Promise.all([
       getJson("/api/v1/status"),
       getJson(`/api/v1/events?since=${state.lastSeq}`),
     ]);
-    // A last_seq below what was asked for: a new master, a new timeline.
-    const reset = events.last_seq < state.lastSeq;
-    if (reset) state.events = [];
-    state.events.push(...events.events);
-    if (state.events.length > 1000) state.events.splice(0, state.events.length - 1000);
-    state.lastSeq = events.last_seq;
-    state.lastOk = now;
-    state.failures = 0;
-    render(doc, events.events, reset, now);
-    showBanner("");
-    setLive(true, `live · ${fmtClock(now)}`);
   } catch (error) {
     state.failures += 1;
     if (error instanceof Unauthorized) {
@@ -613,9 +620,23 @@ async function poll() {
       showBanner(`The master does not answer${since}; showing the last state it sent. Retrying…`);
       setLive(false, "disconnected");
     }
+    const delay = Math.min(POLL_MS * 2 ** Math.max(0, state.failures - 3), 10000);
+    window.setTimeout(poll, delay);
+    return;
   }
-  const delay = Math.min(POLL_MS * 2 ** Math.max(0, state.failures - 3), 10000);
-  window.setTimeout(poll, delay);
+  // Polled on, whatever the rendering below does.
+  window.setTimeout(poll, POLL_MS);
+  // A last_seq below what was asked for: a new master, a new timeline.
+  const reset = events.last_seq < state.lastSeq;
+  if (reset) state.events = [];
+  state.events.push(...events.events);
+  if (state.events.length > 1000) state.events.splice(0, state.events.length - 1000);
+  state.lastSeq = events.last_seq;
+  state.lastOk = now;
+  state.failures = 0;
+  showBanner("");
+  setLive(true, `live · ${fmtClock(now)}`);
+  render(doc, events.events, reset, now);
 }
 
 function render(doc, fresh, reset, now) {
