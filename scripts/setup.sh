@@ -18,3 +18,23 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
 fi
 echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker and dev extras"
 pip_install -e ".[master,postgres,mysql,kubernetes,worker,dev]"
+
+# The dashboard's browser test drives Debian's chromium through playwright
+# (playwright's own browser download is never used). Installed when missing and
+# apt-get can (root); elsewhere the test skips and says why.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium (Debian) for the dashboard's browser test"
+    apt_log=$(mktemp)
+    if ! { apt-get -o DPkg::Lock::Timeout=300 update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+          --no-install-recommends chromium fonts-dejavu-core; } >"$apt_log" 2>&1; then
+      echo "setup: could not install chromium (see $apt_log); the browser test will skip"
+    else
+      rm -f "$apt_log"
+    fi
+  else
+    echo "setup: chromium is missing and apt-get is not usable here (root needed);" \
+      "the dashboard's browser test will skip"
+  fi
+fi

@@ -244,3 +244,20 @@ def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
         capture_output=True,
     )
     return cert, key
+
+
+def worker_of(agent_pid: int) -> int:
+    """A training process under the agent `agent_pid` (not a spare: it has a rank)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == agent_pid and any(v.startswith(b"RANK=") for v in environ):
+            return int(entry)
+    raise AssertionError(f"no worker under agent {agent_pid}")

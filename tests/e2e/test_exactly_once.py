@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from e2e.ledger import LedgerReport, assert_exactly_once, read_ledger
-from harness import JobProcess
+from harness import JobProcess, worker_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -278,26 +278,9 @@ def test_a_master_killed_while_the_ranks_save_loses_no_checkpoint(make_job: Any)
     logged = job.steps_logged()
     job.wait_for(lambda: job.steps_logged() >= logged + 2 * 4, "4 more steps")
     victims = [n for n in job.status()["nodes"] if n["state"] == "running"]
-    worker = _a_worker_of(victims[0]["pid"])
+    worker = worker_of(victims[0]["pid"])
     os.kill(worker, signal.SIGKILL)
     job.succeed()
     report = job.check()
     restored = _restores_from_memory(report)
     assert restored and max(restored) > 12, report.restores
-
-
-def _a_worker_of(agent_pid: int) -> int:
-    """A training process under the agent `agent_pid` (not a spare: it has a rank)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ppid == agent_pid and any(v.startswith(b"RANK=") for v in environ):
-            return int(entry)
-    raise AssertionError(f"no worker under agent {agent_pid}")

@@ -184,6 +184,7 @@ def test_status_is_the_documented_job_status(start_master: Callable[..., Running
             "node_id": node.node_id,
             "detail": "",
             "memory_bytes": "0",
+            "ranks": [],
         }
     ]
     assert document["datasets"][0]["records_total"] == "80"

@@ -102,3 +102,15 @@ def test_a_brain_that_cannot_open_leaves_the_job_alone(tmp_path: Path) -> None:
     assert link.poll_plan(1, None) is None and link.initial_nodes(3) == 3
     assert time.monotonic() - started < 5
     link.close(0)
+
+
+def test_a_job_with_the_brain_off_starts_its_configured_nodes(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    config = parse_job_config(
+        {"name": "demo", "command": "train.py", "brain": {"mode": "off"}}, base_dir=tmp_path
+    )
+    link = BrainLink(config, "t")
+    link.open()
+    assert not link.enabled and link.info is None
+    assert link.initial_nodes(3) == 3 and link.poll_plan(3, None) is None
+    link.close(0)

@@ -195,7 +195,8 @@ class JobRunner:
                       self.master.address, control, config.work_dir)  # fmt: skip
             if self.master.http_url:
                 # The token itself is never printed: the link names its file.
-                _log.info("job %s: metrics and status on %s; log in at %s/login?token=<%s>",
+                _log.info("job %s: dashboard, metrics and status on %s; "
+                          "log in at %s/login?token=<%s>",
                           config.name, self.master.http_url, self.master.http_url,
                           token_source(config))  # fmt: skip
             self.platform = self._make_platform(token)

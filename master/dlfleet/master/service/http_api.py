@@ -2,16 +2,19 @@
 
     GET /healthz          open: `ok` while the master serves
     GET /login?token=T    sets the token cookie and redirects to /
-    GET /                 the list of endpoints
+    GET /                 the live dashboard for a browser (Accept: text/html,
+                          see dashboard.py), else the list of endpoints
+    GET /static/NAME      open: the dashboard's stylesheet and script
     GET /metrics          Prometheus text format (prometheus_client)
     GET /api/v1/status    the job's status document (dlfleet.api.status_document)
     GET /api/v1/events    the timeline: ?since=SEQ&limit=N, oldest first
 
-Everything but /healthz (and /metrics when `open_metrics`) needs the job token,
-the one the gRPC services check: `Authorization: Bearer T`, `X-Dlfleet-Token:
-T`, or the cookie that /login sets (compared in constant time). Without it
-the answer is 401 and says how to authenticate. With TLS the endpoint speaks
-HTTPS only, with the master's certificate.
+Everything but /healthz, /static/ (and /metrics when `open_metrics`) needs
+the job token, the one the gRPC services check: `Authorization: Bearer T`,
+`X-Dlfleet-Token: T`, or the cookie that /login sets (compared in constant
+time). Without it the answer is 401 and says how to authenticate: in JSON, or
+as a page for a browser. With TLS the endpoint speaks HTTPS only, with the
+master's certificate (and the cookie is Secure).
 
 Handlers run on the loop that owns the master's state, so a scrape reads a
 consistent state without a lock.
@@ -33,11 +36,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dlfleet.api.errors import DlfleetError
+from dlfleet.master.service.dashboard import Dashboard, wants_html
 from dlfleet.master.service.timeline import Timeline
 
 TOKEN_HEADER = "X-Dlfleet-Token"
 TOKEN_COOKIE = "dlfleet_token"
 OPEN_PATHS = frozenset({"/healthz", "/login"})
+OPEN_PREFIX = "/static/"  # the dashboard's files: no job data in them
 ENDPOINTS = ("/healthz", "/metrics", "/api/v1/status", "/api/v1/events")
 EVENTS_LIMIT = 1_000
 
@@ -88,6 +93,7 @@ class HttpEndpoint:
         self._status = status
         self._tls = tls
         self._timeline = timeline if timeline is not None else Timeline()
+        self._dashboard: Dashboard | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -102,12 +108,14 @@ class HttpEndpoint:
         return f"{self.scheme}://{shown}:{self.port}"
 
     async def start(self) -> int:
+        dashboard = self._dashboard = Dashboard.from_package()
         app = web.Application(middlewares=[self._authenticate])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
                 web.get("/login", self._login),
                 web.get("/", self._index),
+                web.get(OPEN_PREFIX + "{name}", dashboard.static),
                 web.get("/metrics", self._metrics),
                 web.get("/api/v1/status", self._api_status),
                 web.get("/api/v1/events", self._api_events),
@@ -148,10 +156,13 @@ class HttpEndpoint:
         path = request.path
         if (
             path in OPEN_PATHS
+            or path.startswith(OPEN_PREFIX)
             or (path == "/metrics" and self.settings.open_metrics)
             or self._authenticated(request)
         ):
             return await handler(request)
+        if wants_html(request) and self._dashboard is not None:
+            return self._dashboard.login_page(request)
         return web.json_response(
             {
                 "error": "missing or wrong job token",
@@ -171,7 +182,8 @@ class HttpEndpoint:
         given = request.query.get("token", "")
         if not hmac.compare_digest(given.encode(), self._token):
             return web.json_response({"error": "wrong job token"}, status=401)
-        response = web.Response(status=302, headers={"Location": "/"})
+        # no-store: the address with the token is not kept in a cache.
+        response = web.Response(status=302, headers={"Location": "/", "Cache-Control": "no-store"})
         response.set_cookie(
             TOKEN_COOKIE,
             given,
@@ -182,6 +194,8 @@ class HttpEndpoint:
         return response
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
+        if wants_html(request) and self._dashboard is not None:
+            return self._dashboard.page(request)
         return web.json_response({"endpoints": list(ENDPOINTS)})
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:

@@ -55,6 +55,18 @@ def master_status(
     return status
 
 
+def global_ranks(state: MasterState) -> dict[str, range]:
+    """Each member of the active round: the global ranks of its processes
+    (members in group-rank order, each taking its local world size of ranks)."""
+    active = state.rendezvous.state.active
+    found: dict[str, range] = {}
+    start = 0
+    for member in active.members if active is not None else ():
+        found[member.node_id] = range(start, start + member.local_world_size)
+        start += member.local_world_size
+    return found
+
+
 def job_status(
     state: MasterState,
     failures: Iterable[rendezvous_pb2.FailureReport],
@@ -63,7 +75,8 @@ def job_status(
 ) -> job_pb2.JobStatus:
     """The job's status as this master alone knows it: the document of
     `dlmaster status --json`, less what only the job's supervisor knows
-    (target nodes, processes, relaunches, the brain's plan: zero)."""
+    (target nodes, processes, relaunches, the brain's plan: zero), plus the
+    ranks each node holds in the active round."""
     view = master_status(state, failures, metrics, now_ms)
     status = job_pb2.JobStatus(
         job_name=state.settings.job_name,
@@ -75,8 +88,14 @@ def job_status(
         master_up=True,
     )
     reports = {report.node_id: report for report in view.nodes}
+    ranks = global_ranks(state)
     for record in sorted(state.nodes.nodes.values(), key=lambda r: r.name):
-        entry = job_pb2.NodeStatus(name=record.name, state="running", node_id=record.node_id)
+        entry = job_pb2.NodeStatus(
+            name=record.name,
+            state="running",
+            node_id=record.node_id,
+            ranks=ranks.get(record.node_id, ()),
+        )
         report = reports.get(record.node_id)
         if report is not None:
             entry.metrics.CopyFrom(report.metrics)
