@@ -2,7 +2,7 @@
 127.0.0.1:0: a browser gets the page at `/` with its stylesheet and script
 (open static files, revalidated by ETag), a browser without the token gets a
 page that says how to log in, and the data the page reads stays behind the
-token. The page itself runs in a browser in tests/e2e/test_dashboard.py."""
+token. The page itself runs in a browser in tests/e2e/test_dashboard_browser.py."""
 
 from __future__ import annotations
 

@@ -461,6 +461,15 @@ function renderFailure(doc, now) {
         h("span", {}, "restarts ", h("b", {}, fmtInt(f.restart_count))),
         h("span", { class: "ago" }, ago),
       ),
+      f.rule
+        ? h(
+            "div",
+            { class: "summary" },
+            h("span", {}, "diagnosed ", h("b", {}, (f.category || "unknown").replace(/_/g, " "))),
+            h("span", {}, "rule ", h("b", {}, f.rule)),
+            h("span", {}, "action ", h("b", {}, (f.action || "").replace(/_/g, " "))),
+          )
+        : null,
       h("pre", {}, (f.message || "").trim() || "(no message: the process left no error file)"),
     ),
   );
@@ -548,6 +557,7 @@ function describe(e) {
         if (shorter >= 0) bits[shorter] = String(bit);
         else bits.push(String(bit));
       }
+      if (e.rule) bits.push(`${String(e.category || "").replace(/_/g, " ")} (rule ${e.rule}): ${String(e.action || "").replace(/_/g, " ")}`);
       bits.push(`restart ${e.restart_count}`);
       return [`Worker failed on ${e.node_id} (rank ${e.global_rank})`, bits.join(" · "), "worker_failed"];
     }
