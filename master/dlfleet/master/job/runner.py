@@ -21,6 +21,10 @@ store. Every `POLL_S` it looks at the nodes that exited and decides:
   it has while they are at least `nodes.min`, and fails otherwise. A node lost
   `FAULTY_AFTER_LOSSES` times is marked faulty and replaced by a fresh node
   (a new name: on a cluster, another host) instead of relaunched again;
+- exit 4 (its agent diagnosed a hardware fault: dlfleet.api.diagnosis): the
+  node is marked faulty and a fresh node replaces it at once, while the
+  job's relaunches last; exit 5 (a worker killed for memory): relaunched as
+  an out-of-memory node is, with more memory where the platform sets limits;
 - anything else (2: dlworker refused its flags): the job fails.
 
 The job succeeds when no node is active any more and at least one succeeded.
