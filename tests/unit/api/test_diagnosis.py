@@ -121,6 +121,19 @@ CASES: list[tuple[str, FailureFacts, str, Category, Action]] = [
         Action.RESTART,
     ),
     (
+        "gloo recv timeout",
+        FailureFacts(
+            exit_code=1,
+            traceback=traceback(
+                "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                "Timed out waiting 30000ms for recv operation to complete"
+            ),
+        ),
+        "network",
+        Category.NETWORK,
+        Action.RESTART,
+    ),
+    (
         "import error",
         FailureFacts(
             exit_code=1,
