@@ -10,11 +10,12 @@ import pytest
 
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.brain.local import LocalBrain
-from dlfleet.brain.records import FailureKind
+from dlfleet.brain.records import FailureKind, Plan, PlanId, PlanKind
 from dlfleet.master.job import brain_link
 from dlfleet.master.job.brain_link import BrainLink, signature
 from dlfleet.master.job.jobconfig import parse_job_config
 from dlfleet.master.job.platform import REASON_OOM, Node, NodeState
+from dlfleet.master.job.tally import SupervisorTally
 
 
 @pytest.fixture
@@ -102,3 +103,23 @@ def test_a_brain_that_cannot_open_leaves_the_job_alone(tmp_path: Path) -> None:
     assert link.poll_plan(1, None) is None and link.initial_nodes(3) == 3
     assert time.monotonic() - started < 5
     link.close(0)
+
+
+def test_every_plan_is_counted_by_action_and_whether_it_was_carried_out(config) -> None:  # type: ignore[no-untyped-def]
+    config.work_dir.mkdir(parents=True)
+    tally = SupervisorTally()
+    link = BrainLink(config, "t", tally)
+    link.open()
+    assert link.initial_nodes(2) == 2  # advise mode: an initial plan, as advice
+    scale = Plan(
+        PlanId(7), "demo", PlanKind.SCALE, "grow", {}, 1_795_000_000_000,
+        current_nodes=2, target_nodes=3,
+    )  # fmt: skip
+    link.applied(scale, True)
+    link.applied(scale, False, "not done: the job has ended")
+    link.close(None)
+    assert tally.plans == {("initial", False): 1, ("scale", True): 1, ("scale", False): 1}
+    wire = tally.to_wire()
+    assert [(p.action, p.applied, p.count) for p in wire.brain_plans] == [
+        ("initial", False, 1), ("scale", False, 1), ("scale", True, 1),
+    ]  # fmt: skip

@@ -58,6 +58,7 @@ from dlfleet.brain.records import (
 from dlfleet.brain.reporter import BrainReporter
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import REASON_EVICTED, REASON_OOM, Node
+from dlfleet.master.job.tally import SupervisorTally
 
 _log = logging.getLogger(__name__)
 
@@ -108,9 +109,11 @@ class _Round:
 
 
 class BrainLink:
-    def __init__(self, config: JobConfig, token: str) -> None:
+    def __init__(self, config: JobConfig, token: str, tally: SupervisorTally | None = None) -> None:
+        """`tally`: where each plan that comes back is counted, by action."""
         self.config = config
         self.token = token
+        self.tally = tally
         self.mode = config.brain.mode
         self.api: BrainApi | None = None
         self.reporter: BrainReporter | None = None
@@ -218,6 +221,7 @@ class BrainLink:
                 return None
             self._down = False
             if plan.kind is PlanKind.NONE:
+                self._count(plan, applied=False)
                 self.last_plan = f"keep {target} nodes: {plan.reason}"
                 return None
             return plan
@@ -345,7 +349,12 @@ class BrainLink:
 
         self._executor.submit(mark)
 
+    def _count(self, plan: Plan, applied: bool) -> None:
+        if self.tally is not None:
+            self.tally.plan(plan.kind.value, applied)
+
     def _note(self, plan: Plan, applied: bool, note: str = "") -> None:
+        self._count(plan, applied)
         what = {
             PlanKind.INITIAL: f"start with {plan.target_nodes} nodes",
             PlanKind.SCALE: f"scale {plan.current_nodes} -> {plan.target_nodes} nodes",

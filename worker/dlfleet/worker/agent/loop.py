@@ -597,6 +597,7 @@ class Agent:
             signal=failure.signal_name or "",
             message=message[-8000:],
             restart_count=restart_count,
+            restarting=restart_count < self.config.max_restarts,
         )
         try:
             self.client.report_worker_failure(report)

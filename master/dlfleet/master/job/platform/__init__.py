@@ -59,6 +59,11 @@ REASON_OOM = "OOMKilled"
 REASON_EVICTED = "Evicted"
 REASON_DELETED = "Deleted"  # its Pod went away without our asking (preemption)
 
+# dlworker's exit codes (dlfleet.worker.agent.loop).
+EXIT_WORKERS_FAILED = 1  # its training failed beyond its restarts
+EXIT_NODE_LOST = 3  # it lost the job: master unreachable, dropped, rendezvous timed out
+EXIT_PREEMPTED = 128 + 15  # SIGTERM from outside
+
 
 @dataclass(frozen=True)
 class NodeExit:
