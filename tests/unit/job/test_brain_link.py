@@ -123,3 +123,16 @@ def test_every_plan_is_counted_by_action_and_whether_it_was_carried_out(config) 
     assert [(p.action, p.applied, p.count) for p in wire.brain_plans] == [
         ("initial", False, 1), ("scale", False, 1), ("scale", True, 1),
     ]  # fmt: skip
+
+
+def test_brain_mode_off_starts_the_configured_nodes_without_a_brain(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    config = parse_job_config(
+        {"name": "demo", "command": "train.py", "brain": {"mode": "off"}}, base_dir=tmp_path
+    )
+    config.work_dir.mkdir(parents=True)
+    link = BrainLink(config, "t")
+    link.open()
+    assert not link.enabled
+    assert link.initial_nodes(3) == 3 and link.poll_plan(3, None) is None
+    link.close(0)

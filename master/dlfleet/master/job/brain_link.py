@@ -194,6 +194,8 @@ class BrainLink:
     def initial_nodes(self, default: int, timeout_s: float = 10.0) -> int:
         """The node count to start with: the brain's initial plan in `auto`
         mode (from past runs of the same kind), else `default`."""
+        if self.api is None:  # brain.mode off, or a brain that could not open
+            return default
         plan = self._ask_now(PlanRequest(job=self._job(), nodes=0), timeout_s)
         if plan is None:
             return default
