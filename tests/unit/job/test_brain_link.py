@@ -11,6 +11,7 @@ import pytest
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.brain.local import LocalBrain
 from dlfleet.brain.records import FailureKind, Plan, PlanId, PlanKind
+from dlfleet.brain.report import render_text
 from dlfleet.master.job import brain_link
 from dlfleet.master.job.brain_link import BrainLink, signature
 from dlfleet.master.job.jobconfig import parse_job_config
@@ -72,6 +73,10 @@ def test_rounds_nodes_and_failures_reach_the_brain(config, monkeypatch) -> None:
     size = sizes[0]
     assert size.samples_per_s == pytest.approx(81.0)  # the median of the sums 81, 79, 81
     assert report.failures[FailureKind.OOM] == 1
+    # The job's own min_round_s, kept with the run, and every round's length.
+    assert report.min_round_s == config.brain.min_round_s == 60
+    assert [(r.round, r.nodes) for r in report.rounds] == [(1, 2), (2, 1)]
+    assert "none of the 2 rounds lasted that long" in render_text(report)
     assert report.plans[0].kind.value == "initial" and not report.plans[0].applied
     assert run == "demo-" + (config.work_dir / "brain-run").read_text().strip()
 

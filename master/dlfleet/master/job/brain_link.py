@@ -148,7 +148,8 @@ class BrainLink:
             initial_nodes=config.nodes.start,
             memory_limit_bytes=(config.kubernetes.memory_bytes or 0) if config.kubernetes else 0,
             config={"name": config.name, "platform": config.platform,
-                    "nproc_per_node": config.nproc_per_node},
+                    "nproc_per_node": config.nproc_per_node,
+                    "min_round_s": brain.min_round_s},
         )  # fmt: skip
         settings = OptimizerSettings(
             scaling=ScalingSettings(min_round_s=brain.min_round_s, grow_share=brain.grow_share),
