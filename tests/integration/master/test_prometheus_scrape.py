@@ -193,9 +193,12 @@ def test_prometheus_scrapes_a_running_job_with_its_token(
 ) -> None:
     job.start()
     prometheus.start()
-    job.wait_for(
-        lambda: job.status()["world_size"] == 1 and job.status()["datasets"], "a round", 60
-    )
+
+    def round_with_data() -> bool:
+        status = job.status()
+        return bool(status["world_size"] == 1 and status["datasets"])
+
+    job.wait_for(round_with_data, "a round whose worker registered its dataset", 60)
 
     def up() -> bool:
         return prometheus.value('up{job="dlfleet"}') == 1
