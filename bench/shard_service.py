@@ -57,14 +57,31 @@ system and reads its VmRSS from /proc before and after registering a dataset of
 10^9 records in shards of 10^4 (10^5 shards per epoch), and after its clients
 have leased and acknowledged shards of it for a few seconds.
 
+The cost of watching (`--observe`): a fourth system, "dlfleet observed", is
+the same master as dlfleet (LeaseStream) with its HTTP endpoint on, and while
+its clients run, a poller in this process reads `/metrics`, `/api/v1/status`
+and `/api/v1/events?since=...` once a second each (a Prometheus scraping every
+second and the dashboard open), on one kept-alive connection with the job
+token. It takes its turns with the others (the poller only runs during its
+own), and its pairs per second over plain dlfleet's, per level and the
+minimum over the counted levels, are printed with the number of polls; every
+poll must answer 200, or the run fails. The issue's budget: within 5%
+(ratio >= 0.95). On a small shared machine the runs' spread is wider than
+that, so the bench also times the cost itself: the observed master's CPU for
+one poll of all three, over 100 polls back to back once its levels are done
+(idle, holding every dataset of the run), as a share of a core at one poll a
+second.
+
 The last line is `ratio: X`: dlfleet's pairs per second (LeaseStream) over
 DLRover's, the minimum over the 16- and 64-client levels (the highest level run
-if neither). The unary figures are printed beside it.
+if neither). The unary figures are printed beside it. Run without DLRover
+(`--systems dlfleet --observe`), the last line is the observed ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -78,7 +95,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -99,6 +116,8 @@ DLROVER_SUBEPOCH_SHARDS = 50_000
 BATCH_SIZE = 100
 MEMORY_DATASET_SIZE = 10**9
 MEMORY_SHARD_SIZE = 10**4
+POLL_EVERY_S = 1.0  # the observed master's /metrics, status and events
+SYSTEM_KEYS = ("dlrover", "dlfleet", "dlfleet-unary", "dlfleet-observed")
 
 
 @dataclass
@@ -122,6 +141,8 @@ class System:
     # Shards the master counts as acknowledged, from the driver's inspect().
     acked_from_inspect: Callable[[dict[str, Any], Geometry], int | None]
     options: dict[str, str] = field(default_factory=dict)
+    # target -> what watches the master while its clients run (dlfleet observed)
+    observe: Callable[[str], Poller] | None = None
 
 
 def start_dlrover_master(workdir: Path, tag: str) -> tuple[ServerProcess, str]:
@@ -153,7 +174,12 @@ def dlrover_acked(info: dict[str, Any], geometry: Geometry) -> int | None:
     return (DLROVER_SUBEPOCH_SHARDS - int(info["todo"])) % DLROVER_SUBEPOCH_SHARDS
 
 
-def make_dlfleet_starter(token: str, key: str) -> Callable[[Path, str], tuple[ServerProcess, str]]:
+def make_dlfleet_starter(
+    token: str, key: str, http_ports: dict[str, int] | None = None
+) -> Callable[[Path, str], tuple[ServerProcess, str]]:
+    """With `http_ports`, the master also serves HTTP, on a port recorded
+    there under its gRPC target."""
+
     def start(workdir: Path, tag: str) -> tuple[ServerProcess, str]:
         port = free_port()
         argv = [
@@ -167,6 +193,10 @@ def make_dlfleet_starter(token: str, key: str) -> Callable[[Path, str], tuple[Se
             "--token",
             token,
         ]
+        if http_ports is not None:
+            http_port = free_port()
+            argv += ["--http-port", str(http_port)]
+            http_ports[f"127.0.0.1:{port}"] = http_port
         ready = f"listening on 127.0.0.1:{port}"
         master = ServerProcess(f"{key} master", argv, workdir / f"{key}-master-{tag}.log", ready)
         master.wait_ready(port)
@@ -178,6 +208,74 @@ def make_dlfleet_starter(token: str, key: str) -> Callable[[Path, str], tuple[Se
 def dlfleet_acked(info: dict[str, Any], geometry: Geometry) -> int | None:
     done = int(info["records_done"])
     return done // geometry.shard_size
+
+
+class Poller:
+    """Reads a master's /metrics, /api/v1/status and /api/v1/events every
+    `every_s` on a thread, over one kept-alive connection, while in its
+    `with` block: what a Prometheus scraping every second and an open
+    dashboard cost the master. Any answer but 200 fails the run."""
+
+    def __init__(self, port: int, token: str, every_s: float = POLL_EVERY_S) -> None:
+        self.port = port
+        self.every_s = every_s
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.polls = 0
+        self.bytes = 0
+        self.errors: list[str] = []
+        self._since = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="poller", daemon=True)
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.errors and exc[0] is None:
+            raise BenchError(f"the poller failed {len(self.errors)} times: {self.errors[0]}")
+
+    def _run(self) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        next_at = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                for path in ("/metrics", "/api/v1/status", f"/api/v1/events?since={self._since}"):
+                    try:
+                        body = self._get(connection, path)
+                    except (OSError, http.client.HTTPException) as exc:
+                        self.errors.append(f"{path}: {exc}")
+                        connection.close()  # reconnects on the next request
+                        continue
+                    if path.startswith("/api/v1/events"):
+                        self._since = int(json.loads(body)["last_seq"])
+                    self.bytes += len(body)
+                self.polls += 1
+                next_at += self.every_s
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
+        finally:
+            connection.close()
+
+    def poll_now(self, rounds: int) -> None:
+        """`rounds` polls of all three back to back, on this thread."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            for _ in range(rounds):
+                for path in ("/metrics", "/api/v1/status", "/api/v1/events?since=0"):
+                    self.bytes += len(self._get(connection, path))
+                self.polls += 1
+        finally:
+            connection.close()
+
+    def _get(self, connection: http.client.HTTPConnection, path: str) -> bytes:
+        connection.request("GET", path, headers=self.headers)
+        answer = connection.getresponse()
+        body = answer.read()
+        if answer.status != 200:
+            raise http.client.HTTPException(f"HTTP {answer.status}: {body[:200]!r}")
+        return body
 
 
 # --------------------------------------------------------------------------- harness runs
@@ -406,7 +504,7 @@ def dlfleet_available() -> str | None:
 
 
 def _row(*cells: object) -> str:
-    widths = (14, 7, 5, 7, 11, 7, 7, 15, 7, 0)
+    widths = (16, 7, 5, 7, 11, 7, 7, 15, 7, 0)
     return "  ".join(f"{cell!s:>{width}}" for cell, width in zip(cells, widths, strict=False))
 
 
@@ -429,6 +527,7 @@ def bench_levels(
     results: dict[str, dict[int, LevelResult]] = {system.key: {} for system in systems}
     runs: dict[tuple[str, int], list[LevelResult]] = {}
     own_cpu = dict.fromkeys(results, 0.0)
+    polls: dict[str, int] = {}
     failed: ServerProcess | None = None
     try:
         for system in systems:
@@ -453,9 +552,14 @@ def bench_levels(
                 turn_cpu = master.cpu_seconds()
                 harness_call(system, "register", target, dataset, extra, log)
                 cpu = master.cpu_seconds()
-                result = run_level(
-                    system, target, dataset, clients, args.max_procs, args.warmup, args.seconds, log
-                )
+                watching = system.observe(target) if system.observe else nullcontext()
+                with watching as watcher:
+                    result = run_level(
+                        system, target, dataset, clients, args.max_procs, args.warmup,
+                        args.seconds, log,
+                    )  # fmt: skip
+                if isinstance(watcher, Poller):
+                    polls[system.key] = polls.get(system.key, 0) + watcher.polls
                 cpu = master.cpu_seconds() - cpu
                 checked = verify(system, target, dataset, geometry, result.total_pairs, log)
                 own_cpu[system.key] += master.cpu_seconds() - turn_cpu
@@ -486,6 +590,12 @@ def bench_levels(
             "CPU each master used while the other system ran: "
             + ", ".join(f"{system.label} {idle[system.key]:.2f} s" for system in systems)
         )
+        for key, count in polls.items():
+            say(f"{key}: {count} polls of /metrics, /api/v1/status and /api/v1/events, all 200")
+        for system in systems:
+            if system.observe is not None:
+                master, target = masters[system.key]
+                poll_cost(master, system.observe(target), len(levels) * args.repeats)
     except BenchError:
         if failed is not None:
             say(failed.tail())
@@ -494,6 +604,22 @@ def bench_levels(
         for master, _ in masters.values():
             master.stop()
     return results
+
+
+def poll_cost(master: ServerProcess, poller: Poller, datasets: int, rounds: int = 100) -> None:
+    """The master's CPU for one poll of all three endpoints, measured idle
+    over many back to back (the clock ticks in 10 ms): a direct figure for
+    the throughput ratio's noisy one."""
+    before = master.cpu_seconds()
+    started = time.perf_counter()
+    poller.poll_now(rounds)
+    wall = time.perf_counter() - started
+    each_ms = (master.cpu_seconds() - before) * 1000 / rounds
+    say(
+        f"one poll of the three, idle master holding {datasets} datasets: {each_ms:.2f} ms of "
+        f"its CPU ({poller.bytes // rounds:,} bytes, {wall * 1000 / rounds:.1f} ms wall): "
+        f"{each_ms / (10 * POLL_EVERY_S):.2f}% of a core at one poll every {POLL_EVERY_S:g} s"
+    )
 
 
 def memory_check(system: System, args: argparse.Namespace, workdir: Path) -> None:
@@ -548,7 +674,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default="dlrover,dlfleet,dlfleet-unary",
-        help="which to run: dlrover, dlfleet (LeaseStream), dlfleet-unary",
+        help="which to run: dlrover, dlfleet (LeaseStream), dlfleet-unary, dlfleet-observed",
+    )
+    parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="also run dlfleet observed (its /metrics, status and events polled every second) "
+        "and print its throughput against plain dlfleet's",
     )
     parser.add_argument("--size", type=int, default=10**9, help="records per dataset")
     parser.add_argument("--shard-size", type=int, default=1000, help="records per shard")
@@ -566,11 +698,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.mem_seconds = 2.0 if args.quick else 15.0
     args.levels = sorted({int(level) for level in args.clients.split(",")})
     args.wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
-    if not args.wanted or set(args.wanted) - {"dlrover", "dlfleet", "dlfleet-unary"}:
-        parser.error("--systems takes dlrover, dlfleet, dlfleet-unary")
+    if args.observe:
+        args.wanted += [key for key in ("dlfleet", "dlfleet-observed") if key not in args.wanted]
+    if not args.wanted or set(args.wanted) - set(SYSTEM_KEYS):
+        parser.error(f"--systems takes {', '.join(SYSTEM_KEYS)}")
     if args.shard_size % BATCH_SIZE:
         parser.error(f"--shard-size must be a multiple of the batch size, {BATCH_SIZE}")
     return args
+
+
+def _poller_for(http_ports: dict[str, int], token: str) -> Callable[[str], Poller]:
+    """A master's poller, by its gRPC target."""
+
+    def poller(target: str) -> Poller:
+        return Poller(http_ports[target], token)
+
+    return poller
 
 
 def _systems(wanted: list[str]) -> list[System]:
@@ -580,7 +723,11 @@ def _systems(wanted: list[str]) -> list[System]:
         systems.append(
             System("dlrover", "DLRover 0.6.1", DLROVER_PYTHON, start_dlrover_master, dlrover_acked)
         )
-    modes = [("dlfleet", "dlfleet", "stream"), ("dlfleet-unary", "dlfleet unary", "unary")]
+    modes = [
+        ("dlfleet", "dlfleet", "stream"),
+        ("dlfleet-unary", "dlfleet unary", "unary"),
+        ("dlfleet-observed", "dlfleet observed", "stream"),
+    ]
     for key, label, mode in modes:
         if key not in wanted:
             continue
@@ -589,11 +736,14 @@ def _systems(wanted: list[str]) -> list[System]:
             raise BenchError(f"dlfleet's master or client cannot be imported: {why}")
         token = secrets.token_hex(16)
         options = {"token": token, "mode": mode}
-        systems.append(
-            System(
-                key, label, DLFLEET_PYTHON, make_dlfleet_starter(token, key), dlfleet_acked, options
-            )
+        system = System(
+            key, label, DLFLEET_PYTHON, make_dlfleet_starter(token, key), dlfleet_acked, options
         )
+        if key == "dlfleet-observed":
+            http_ports: dict[str, int] = {}
+            system.start_master = make_dlfleet_starter(token, key, http_ports)
+            system.observe = _poller_for(http_ports, token)
+        systems.append(system)
     return systems
 
 
@@ -617,7 +767,12 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
             memory_check(system, args, workdir)
     if args.keep_logs:
         say(f"logs kept in {workdir}")
-    if "dlfleet" in results and "dlrover" in results:
+    headline = "dlfleet" in results and "dlrover" in results
+    if "dlfleet" in results and "dlfleet-observed" in results:
+        summarize_observed(
+            results["dlfleet"], results["dlfleet-observed"], args.levels, last=not headline
+        )
+    if headline:
         summarize(results["dlfleet"], results["dlrover"], args.levels, results.get("dlfleet-unary"))
 
 
@@ -641,6 +796,46 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep_logs:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _counted(levels: list[int]) -> list[int]:
+    """The levels a ratio is the minimum over: 16 and 64 clients, where run."""
+    return [clients for clients in levels if clients in (16, 64)] or [max(levels)]
+
+
+def summarize_observed(
+    plain: dict[int, LevelResult], observed: dict[int, LevelResult], levels: list[int], last: bool
+) -> None:
+    """Observed dlfleet over plain dlfleet; `ratio:` last when it is the
+    run's headline (no DLRover)."""
+    say()
+    say(
+        f"== the cost of watching: dlfleet with /metrics, status and events polled every "
+        f"{POLL_EVERY_S:g} s, against dlfleet alone (budget: within 5%) =="
+    )
+    say(
+        f"{'clients':>8}  {'alone/s':>10}  {'observed/s':>10}  {'ratio':>6}  "
+        f"{'p99 ms alone|observed':>22}"
+    )
+    ratios: dict[int, float] = {}
+    for clients in levels:
+        a, b = plain[clients], observed[clients]
+        ratios[clients] = b.rate / a.rate
+        say(
+            f"{clients:>8}  {a.rate:>10,.0f}  {b.rate:>10,.0f}  {ratios[clients]:>6.3f}  "
+            f"{f'{a.p99_ms:.2f} | {b.p99_ms:.2f}':>22}"
+        )
+    counted = _counted(levels)
+    ratio = min(ratios[clients] for clients in counted)
+    which = " and ".join(str(clients) for clients in counted)
+    verdict = "within" if ratio >= 0.95 else "OVER"
+    say(
+        f"observed ratio = observed dlfleet lease+ack/s over dlfleet alone's, the minimum over "
+        f"the {which}-client level{'s' if len(counted) > 1 else ''}: {ratio:.3f} "
+        f"({verdict} the 5% budget)"
+    )
+    if last:
+        say(f"ratio: {ratio:.3f}")
 
 
 def summarize(
@@ -671,7 +866,7 @@ def summarize(
                 for clients in levels
             )
         )
-    counted = [clients for clients in levels if clients in (16, 64)] or [max(levels)]
+    counted = _counted(levels)
     ratio = min(ratios[clients] for clients in counted)
     which = " and ".join(str(clients) for clients in counted)
     say(

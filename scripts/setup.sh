@@ -38,3 +38,32 @@ if ! command -v chromium >/dev/null 2>&1; then
       "the dashboard's browser test will skip"
   fi
 fi
+
+# Prometheus (Debian's package), for the test that scrapes a running job with
+# a real Prometheus server (tests/integration/master/test_prometheus_scrape.py).
+# Installed only where it is missing and apt-get can be used as root; the
+# package's service is never started (policy-rc.d), the test runs its own.
+if command -v prometheus >/dev/null 2>&1; then
+  :
+elif [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "setup: prometheus is missing and apt-get cannot be used here (not root, or no" \
+    "apt-get): the Prometheus scrape test skips (fails under CI=true) until it is installed"
+else
+  echo "setup: installing prometheus (apt-get)"
+  policy=/usr/sbin/policy-rc.d
+  made_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made_policy=1
+    trap 'rm -f "$policy"' EXIT
+  fi
+  apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      -o DPkg::Lock::Timeout=300 prometheus >/tmp/dlfleet-setup-apt.log 2>&1
+  }
+  if ! apt_install; then
+    apt-get update -qq -o DPkg::Lock::Timeout=300 >>/tmp/dlfleet-setup-apt.log 2>&1 || true
+    apt_install || echo "setup: could not install prometheus (see /tmp/dlfleet-setup-apt.log):" \
+      "the Prometheus scrape test skips (fails under CI=true)"
+  fi
+  if [ "$made_policy" = 1 ]; then rm -f "$policy" && trap - EXIT; fi
+fi

@@ -21,7 +21,7 @@ SIZE, BATCH, EPOCHS = 203, 4, 2
 AGENT = [sys.executable, "-u", "-m", "dlfleet.worker.agent.loop"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -54,7 +54,7 @@ class KubeJob(JobProcess):
         root.mkdir(parents=True, exist_ok=True)
         self.ledger = root / "ledger"
         self.namespace = namespace
-        self.port = _free_port()
+        self.port = free_port()
         kube_extra = settings.pop("kube", {})
         super().__init__(
             root,

@@ -62,6 +62,11 @@ def test_the_example_overlay_renders_with_1_20_api_versions(kube_cluster: KubeCl
     assert pod["spec"]["serviceAccountName"] == "dlfleet-master"
     assert config.kubernetes.token_secret is not None
     assert config.kubernetes.token_secret.name == "dlfleet-token"
+    # The Pod exposes the ports the job.yaml serves on; /metrics is on the
+    # HTTP port, beyond the Pod's loopback (the Service announces it).
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert config.http is not None and config.http.beyond_loopback()
+    assert ports == {"grpc": config.master.port, "http": config.http.port}
 
 
 def test_every_manifest_passes_a_server_side_dry_run(

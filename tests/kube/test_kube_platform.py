@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube.kube_jobs import QUICKSTART, KubeJob, pods, running_pods, wait
+from kube.kube_jobs import QUICKSTART, KubeJob, free_port, pods, running_pods, wait
 from kubernetes import client as k8s
 from kubetest.cluster import KubeCluster
 from kubetest.kubelet import TestKubelet
@@ -53,7 +53,10 @@ def make_job(tmp_path: Path, namespace: str, kube_cluster: KubeCluster) -> Itera
 def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
     make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
 ) -> None:
-    job = make_job(["--sleep-per-step", "0.02"]).start()
+    http_port = free_port()
+    job = make_job(
+        ["--sleep-per-step", "0.02"], http={"host": "0.0.0.0", "port": http_port}
+    ).start()
     wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
     for name, pod in running_pods(api, namespace).items():
         labels = pod.metadata.labels
@@ -67,6 +70,18 @@ def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
         assert token not in json.dumps(pod.to_dict(), default=str)  # only in the Secret
     service: Any = k8s.CoreV1Api(api).read_namespaced_service("kjob-master", namespace)
     assert service.spec.cluster_ip == "None"
+    # The HTTP endpoint listens beyond loopback: the Service names its port
+    # and tells Prometheus to scrape it.
+    assert {(p.name, p.port) for p in service.spec.ports} == {
+        ("grpc", job.port),
+        ("http", http_port),
+    }
+    assert service.metadata.annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(http_port),
+        "prometheus.io/path": "/metrics",
+        "prometheus.io/scheme": "http",
+    }
     job.succeed()
     job.check()
     assert job.worlds() == [2]

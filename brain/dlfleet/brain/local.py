@@ -16,12 +16,14 @@ from dlfleet.api.errors import InvalidArgument
 from dlfleet.brain.optimizer.curve import Curve
 from dlfleet.brain.optimizer.planner import OptimizerSettings, PlanContext, decide
 from dlfleet.brain.records import (
+    JobInfo,
     JobReport,
     MetricsBatch,
     Plan,
     PlanId,
     PlanKind,
     PlanRequest,
+    RoundSpan,
     SizeThroughput,
 )
 from dlfleet.brain.repository import Repository
@@ -29,6 +31,12 @@ from dlfleet.brain.repository import Repository
 
 def system_clock_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def min_round_s(job: JobInfo, default: float) -> float:
+    """The job's own minimum measured round, where its master recorded one."""
+    value = job.config.get("min_round_s")
+    return float(value) if isinstance(value, int | float) and value >= 0 else default
 
 
 class LocalBrain:
@@ -99,8 +107,12 @@ class LocalBrain:
         return self.repository.mark_applied(plan_id, self.clock())
 
     def report(self, job: str) -> JobReport:
+        """Throughput per node count over every round the job reported (the
+        optimizer counts only rounds of `min_round_s`: the job's own, kept in
+        its config by the master, else this brain's setting)."""
         stored = self.repository.job(job)
-        curve = Curve.from_rounds(self.repository.rounds(job))
+        rounds = self.repository.rounds(job)
+        curve = Curve.from_rounds(rounds)
         sizes = []
         for n in curve.sizes:
             point = curve.point(n)
@@ -121,4 +133,6 @@ class LocalBrain:
             sizes=sizes,
             plans=self.repository.plans(job),
             failures=self.repository.failure_counts(job),
+            rounds=[RoundSpan(r.round, r.nodes, r.duration_s) for r in rounds],
+            min_round_s=min_round_s(stored.info, self.settings.scaling.min_round_s),
         )

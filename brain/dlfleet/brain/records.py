@@ -299,6 +299,15 @@ class SizeThroughput:
 
 
 @dataclass(frozen=True)
+class RoundSpan:
+    """How long a reported round lasted, at how many nodes."""
+
+    round: int
+    nodes: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
 class JobReport:
     job: JobInfo
     created_ms: int
@@ -306,3 +315,5 @@ class JobReport:
     sizes: Sequence[SizeThroughput]
     plans: Sequence[Plan]
     failures: Mapping[FailureKind, int]
+    rounds: Sequence[RoundSpan] = ()  # every round the job reported, oldest first
+    min_round_s: float = 0.0  # the shortest round the optimizer counts

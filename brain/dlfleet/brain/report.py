@@ -1,14 +1,17 @@
-"""A job's report for people: throughput per node count as a table, the
-decisions over time with their reasons, and an optional small SVG chart
+"""A job's report for people: throughput per node count as a table (with
+how many of each size's rounds lasted the optimizer's `min_round_s`, and
+why there is nothing to show when there is not), the decisions over time
+with their reasons, and an optional small SVG chart
 (hand-written, no plotting library): measured samples/s per node count, the
 linear-scaling line from the smallest size, and the sizes the plans chose."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from xml.sax.saxutils import escape
 
-from dlfleet.brain.records import JobReport, Plan, PlanKind
+from dlfleet.brain.records import JobReport, Plan, PlanKind, RoundSpan
 
 MIB = 1 << 20
 
@@ -41,20 +44,24 @@ def render_text(report: JobReport) -> str:
         f"nodes {job.min_nodes}..{job.max_nodes})",
         f"registered {_time(report.created_ms)} UTC, updated {_time(report.updated_ms)} UTC",
         "",
-        "throughput per node count (median over rounds):",
     ]
+    minimum = report.min_round_s
+    lines.append(
+        f"throughput per node count (median over rounds; `>= {minimum:.0f} s`: those of its "
+        "rounds long enough for the optimizer):"
+    )
     if report.sizes:
         lines.append(
             f"{'nodes':>6} {'world':>6} {'rounds':>7} {'samples/s':>12} "
-            f"{'per node':>10} {'efficiency':>11}"
+            f"{'per node':>10} {'efficiency':>11} {f'>= {minimum:.0f} s':>9}"
         )
         for s in report.sizes:
+            counted = sum(r.nodes == s.nodes and r.duration_s >= minimum for r in report.rounds)
             lines.append(
                 f"{s.nodes:>6} {s.world_size:>6} {s.rounds:>7} {s.samples_per_s:>12.1f} "
-                f"{s.samples_per_s / s.nodes:>10.1f} {s.efficiency:>11.2f}"
+                f"{s.samples_per_s / s.nodes:>10.1f} {s.efficiency:>11.2f} {counted:>9}"
             )
-    else:
-        lines.append("  (no round reported)")
+    lines += _rounds_note(report)
     lines += ["", "decisions:"]
     if report.plans:
         for plan in report.plans:
@@ -73,6 +80,49 @@ def render_text(report: JobReport) -> str:
     )
     lines += ["", f"failures: {failures or 'none'}"]
     return "\n".join(lines) + "\n"
+
+
+ROUNDS_LISTED = 8
+
+
+def _lengths(rounds: Sequence[RoundSpan]) -> str:
+    """`round 3: 2 nodes, 41 s; ...`, the latest few when there are many."""
+    shown = [f"round {r.round}: {r.nodes} nodes, {r.duration_s:.0f} s" for r in rounds]
+    if len(shown) > ROUNDS_LISTED:
+        hidden = len(shown) - ROUNDS_LISTED
+        shown = [f"{hidden} earlier", *shown[-ROUNDS_LISTED:]]
+    return "; ".join(shown)
+
+
+def _rounds_note(report: JobReport) -> list[str]:
+    """Why the table is empty, or which of its rounds the optimizer can use:
+    it decides only on rounds of at least `min_round_s`."""
+    rounds, minimum = report.rounds, report.min_round_s
+    long_enough = [r for r in rounds if r.duration_s >= minimum]
+    if not rounds:
+        return [
+            "  (no round reported: a round is reported once every node in it has sent step "
+            "metrics with its heartbeats (progress.step(), which ShardedDataLoader calls for "
+            "every batch); none did: the rounds ended sooner, or the training reported no steps)"
+        ]
+    if not report.sizes:
+        return [
+            f"  (no throughput measured: {len(rounds)} rounds reported, none lasting longer "
+            f"than 0 s: {_lengths(rounds)})"
+        ]
+    if len(long_enough) == len(rounds):
+        return []
+    longest = max(r.duration_s for r in rounds)
+    if not long_enough:
+        return [
+            f"  the optimizer has measured no size yet: it counts rounds of at least "
+            f"{minimum:.0f} s (min_round_s), and none of the {len(rounds)} rounds lasted that "
+            f"long (the longest {longest:.0f} s): {_lengths(rounds)}"
+        ]
+    return [
+        f"  the optimizer counts rounds of at least {minimum:.0f} s (min_round_s): "
+        f"{len(long_enough)} of the {len(rounds)} rounds lasted that long"
+    ]
 
 
 WIDTH, HEIGHT = 480, 300

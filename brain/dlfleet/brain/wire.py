@@ -25,6 +25,7 @@ from dlfleet.brain.records import (
     PlanKind,
     PlanRequest,
     RoundMetrics,
+    RoundSpan,
     SizeThroughput,
 )
 
@@ -296,6 +297,11 @@ def report_to_wire(report: JobReport) -> pb.BrainReport:
         ],
         created_unix_ms=report.created_ms,
         updated_unix_ms=report.updated_ms,
+        rounds=[
+            pb.RoundSpan(round=r.round, nodes=r.nodes, duration_s=r.duration_s)
+            for r in report.rounds
+        ],
+        min_round_s=report.min_round_s,
     )
 
 
@@ -316,4 +322,6 @@ def report_from_wire(msg: pb.BrainReport) -> JobReport:
         ],
         plans=[plan_from_wire(p) for p in msg.plans],
         failures={_FAILURE_BACK[f.kind]: f.count for f in msg.failures if f.kind in _FAILURE_BACK},
+        rounds=[RoundSpan(r.round, r.nodes, r.duration_s) for r in msg.rounds],
+        min_round_s=msg.min_round_s,
     )

@@ -338,8 +338,12 @@ class MasterClient:
     def job_status(self) -> job_pb2.JobStatus:
         return self._call("GetStatus", self._job.GetStatus, job_pb2.JobStatusRequest())
 
-    def master_status(self) -> job_pb2.MasterStatus:
-        request = job_pb2.MasterStatusRequest()
+    def master_status(
+        self, supervisor: job_pb2.SupervisorTotals | None = None
+    ) -> job_pb2.MasterStatus:
+        """The master's view of the job; the job's supervisor sends its
+        running totals along (`supervisor`), for the master's /metrics."""
+        request = job_pb2.MasterStatusRequest(supervisor=supervisor)
         return self._call("GetStatus", self._master.GetStatus, request)
 
     def scale(self, nodes: int) -> job_pb2.ScaleResponse:

@@ -421,6 +421,17 @@ def test_the_master_serves_metrics_and_status_over_http_while_the_job_runs(
         return lost >= 1 and samples[("dlfleet_rendezvous_rounds_formed_total", ())] > rounds
 
     job.wait_for(counted, "the lost node and the next round counted")
+    # What only the supervisor sees reaches /metrics too: the node's exit as
+    # the platform saw it, its relaunch, and the brain's first (advised) plan.
+    job.wait_for(
+        lambda: scrape()[("dlfleet_node_exits_total", (("reason", "killed"),))] == 1,
+        "the killed node's exit counted",
+    )
+    samples = scrape()
+    assert samples[("dlfleet_node_relaunches_total", ())] == 1
+    assert samples[("dlfleet_master_restarts_total", ())] == 0
+    plans = sum(v for (name, _), v in samples.items() if name == "dlfleet_brain_plans_total")
+    assert plans >= 1
     shards = scrape()[("dlfleet_shards_done_total", done)]
     job.wait_for(
         lambda: scrape()[("dlfleet_shards_done_total", done)] > shards, "shards done after the loss"

@@ -9,6 +9,7 @@ from dlfleet.brain.records import (
     Plan,
     PlanId,
     PlanKind,
+    RoundSpan,
     SizeThroughput,
 )
 from dlfleet.brain.report import render_svg, render_text
@@ -70,7 +71,48 @@ def test_the_svg_is_well_formed_and_plots_every_size() -> None:
     assert "run&lt;1&gt;" in svg
 
 
-def test_an_empty_report_still_renders() -> None:
-    empty = JobReport(REPORT.job, 0, 0, [], [], {})
-    assert "(no round reported)" in render_text(empty)
+def test_an_empty_report_still_renders_and_says_why_no_round_was_reported() -> None:
+    empty = JobReport(REPORT.job, 0, 0, [], [], {}, min_round_s=60.0)
+    text = render_text(empty)
+    assert "(no round reported: a round is reported once every node in it has sent step" in text
+    assert "progress.step()" in text
     ET.fromstring(render_svg(empty))
+
+
+def test_rounds_all_shorter_than_the_minimum_are_listed_with_their_lengths() -> None:
+    short = JobReport(
+        REPORT.job, 0, 0, [SizeThroughput(2, 8, 3, 200.0, 1.0)], [], {},
+        rounds=[RoundSpan(1, 2, 12.4), RoundSpan(2, 2, 41.0), RoundSpan(3, 2, 8.0)],
+        min_round_s=60.0,
+    )  # fmt: skip
+    text = render_text(short)
+    assert "     2      8       3        200.0      100.0        1.00         0" in text
+    assert (
+        "the optimizer has measured no size yet: it counts rounds of at least 60 s "
+        "(min_round_s), and none of the 3 rounds lasted that long (the longest 41 s): "
+        "round 1: 2 nodes, 12 s; round 2: 2 nodes, 41 s; round 3: 2 nodes, 8 s"
+    ) in text
+
+
+def test_some_rounds_long_enough_are_counted_per_size() -> None:
+    mixed = JobReport(
+        REPORT.job, 0, 0,
+        [SizeThroughput(1, 4, 2, 100.0, 1.0), SizeThroughput(2, 8, 1, 190.0, 0.95)], [], {},
+        rounds=[RoundSpan(1, 1, 90.0), RoundSpan(2, 1, 30.0), RoundSpan(3, 2, 61.0)],
+        min_round_s=60.0,
+    )  # fmt: skip
+    text = render_text(mixed)
+    assert "nodes  world  rounds    samples/s   per node  efficiency   >= 60 s\n" in text
+    assert "     1      4       2        100.0      100.0        1.00         1" in text
+    assert "     2      8       1        190.0       95.0        0.95         1" in text
+    assert "counts rounds of at least 60 s (min_round_s): 2 of the 3 rounds lasted" in text
+
+
+def test_rounds_of_no_length_measure_nothing_and_say_so() -> None:
+    instant = JobReport(
+        REPORT.job, 0, 0, [], [], {},
+        rounds=[RoundSpan(r, 2, 0.0) for r in range(1, 12)], min_round_s=60.0,
+    )  # fmt: skip
+    text = render_text(instant)
+    assert "(no throughput measured: 11 rounds reported, none lasting longer than 0 s: " in text
+    assert "3 earlier; round 4: 2 nodes, 0 s;" in text and "round 11: 2 nodes, 0 s)" in text

@@ -23,6 +23,7 @@ from dlfleet.brain.records import (
     PlanKind,
     PlanRequest,
     RoundMetrics,
+    RoundSpan,
     SizeThroughput,
 )
 
@@ -97,8 +98,9 @@ def test_plans_requests_and_reports_round_trip() -> None:
     )
     assert wire.plan_from_wire(wire.plan_to_wire(plan)) == plan
     report = JobReport(
-        job, 1, 2, [SizeThroughput(2, 8, 3, 10.0, 1.0)], [plan], {FailureKind.OOM: 2}
-    )
+        job, 1, 2, [SizeThroughput(2, 8, 3, 10.0, 1.0)], [plan], {FailureKind.OOM: 2},
+        rounds=[RoundSpan(1, 2, 75.5), RoundSpan(2, 2, 12.0)], min_round_s=60.0,
+    )  # fmt: skip
     assert wire.report_from_wire(wire.report_to_wire(report)) == report
 
 

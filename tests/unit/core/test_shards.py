@@ -9,6 +9,8 @@ from functools import partial as partial_call
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dlfleet.api.errors import InvalidArgument, NotFound, StaleError
 from dlfleet.master.core.codec import dump_dataset
@@ -22,6 +24,7 @@ from dlfleet.master.core.events import (
     LeaseRenewed,
     ShardFailed,
 )
+from dlfleet.master.core.intervals import IntervalSet
 from dlfleet.master.core.shards import (
     MAX_LEASE_RUN,
     Answer,
@@ -32,6 +35,7 @@ from dlfleet.master.core.shards import (
     ShardBook,
     ShardLease,
     ShardSettings,
+    whole_shards,
 )
 
 NAME = "ds"
@@ -641,3 +645,20 @@ def test_journal_replay_equals_live_state() -> None:
         replayed.apply(Event.from_json(event.to_json()))
     assert dump_dataset(replayed.datasets[NAME]) == h.state()
     assert replayed.status(NAME) == h.book.status(NAME)
+
+
+@given(
+    size=st.integers(1, 60),
+    shard_size=st.integers(1, 12),
+    cuts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), max_size=6),
+)
+def test_whole_shards_counts_the_shards_every_position_of_which_is_done(
+    size: int, shard_size: int, cuts: list[tuple[int, int]]
+) -> None:
+    config = DatasetConfig.create(name=NAME, size=size, batch_size=1, shard_size=shard_size)
+    done = IntervalSet((min(start, size), min(start + length, size)) for start, length in cuts)
+    expected = sum(
+        done.covers(shard * shard_size, config.shard_end(shard))
+        for shard in range(config.shards_per_epoch)
+    )
+    assert whole_shards(done, config) == expected

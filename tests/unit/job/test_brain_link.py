@@ -10,11 +10,13 @@ import pytest
 
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.brain.local import LocalBrain
-from dlfleet.brain.records import FailureKind
+from dlfleet.brain.records import FailureKind, Plan, PlanId, PlanKind
+from dlfleet.brain.report import render_text
 from dlfleet.master.job import brain_link
 from dlfleet.master.job.brain_link import BrainLink, signature
 from dlfleet.master.job.jobconfig import parse_job_config
 from dlfleet.master.job.platform import REASON_OOM, Node, NodeState
+from dlfleet.master.job.tally import SupervisorTally
 
 
 @pytest.fixture
@@ -71,6 +73,10 @@ def test_rounds_nodes_and_failures_reach_the_brain(config, monkeypatch) -> None:
     size = sizes[0]
     assert size.samples_per_s == pytest.approx(81.0)  # the median of the sums 81, 79, 81
     assert report.failures[FailureKind.OOM] == 1
+    # The job's own min_round_s, kept with the run, and every round's length.
+    assert report.min_round_s == config.brain.min_round_s == 60
+    assert [(r.round, r.nodes) for r in report.rounds] == [(1, 2), (2, 1)]
+    assert "none of the 2 rounds lasted that long" in render_text(report)
     assert report.plans[0].kind.value == "initial" and not report.plans[0].applied
     assert run == "demo-" + (config.work_dir / "brain-run").read_text().strip()
 
@@ -104,13 +110,34 @@ def test_a_brain_that_cannot_open_leaves_the_job_alone(tmp_path: Path) -> None:
     link.close(0)
 
 
-def test_a_job_with_the_brain_off_starts_its_configured_nodes(tmp_path: Path) -> None:
+def test_every_plan_is_counted_by_action_and_whether_it_was_carried_out(config) -> None:  # type: ignore[no-untyped-def]
+    config.work_dir.mkdir(parents=True)
+    tally = SupervisorTally()
+    link = BrainLink(config, "t", tally)
+    link.open()
+    assert link.initial_nodes(2) == 2  # advise mode: an initial plan, as advice
+    scale = Plan(
+        PlanId(7), "demo", PlanKind.SCALE, "grow", {}, 1_795_000_000_000,
+        current_nodes=2, target_nodes=3,
+    )  # fmt: skip
+    link.applied(scale, True)
+    link.applied(scale, False, "not done: the job has ended")
+    link.close(None)
+    assert tally.plans == {("initial", False): 1, ("scale", True): 1, ("scale", False): 1}
+    wire = tally.to_wire()
+    assert [(p.action, p.applied, p.count) for p in wire.brain_plans] == [
+        ("initial", False, 1), ("scale", False, 1), ("scale", True, 1),
+    ]  # fmt: skip
+
+
+def test_brain_mode_off_starts_the_configured_nodes_without_a_brain(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
     config = parse_job_config(
         {"name": "demo", "command": "train.py", "brain": {"mode": "off"}}, base_dir=tmp_path
     )
+    config.work_dir.mkdir(parents=True)
     link = BrainLink(config, "t")
     link.open()
-    assert not link.enabled and link.info is None
+    assert not link.enabled
     assert link.initial_nodes(3) == 3 and link.poll_plan(3, None) is None
     link.close(0)

@@ -189,6 +189,11 @@ def test_a_kubernetes_job_keeps_its_script_as_an_image_path(base: Path) -> None:
             {"platform": "kubernetes", "kubernetes": {"image": "x", "imagee": "y"}},
             "kubernetes.imagee: unknown setting",
         ),
+        (
+            {"platform": "kubernetes", "kubernetes": {"image": "x"},
+             "http": {"host": "0.0.0.0", "port": 0}},
+            "http.port: on kubernetes an endpoint on 0.0.0.0 needs a fixed port",
+        ),
     ],
 )  # fmt: skip
 def test_bad_kubernetes_sections_name_the_field(
@@ -208,3 +213,14 @@ def test_quantities_parse_like_kubernetes(text: str | int, value: float) -> None
 
     assert parse_quantity(text) == value
     assert parse_quantity(format_bytes_quantity(int(value) or 1)) >= value
+
+
+def test_only_an_endpoint_beyond_loopback_needs_a_fixed_port_on_kubernetes(base: Path) -> None:
+    kube = {"platform": "kubernetes", "kubernetes": {"image": "x"}}
+    local = parse(base, **kube)  # the default: 127.0.0.1, any free port
+    assert local.http is not None and not local.http.beyond_loopback()
+    fixed = parse(base, **kube, http={"host": "0.0.0.0", "port": 8080})
+    assert fixed.http is not None and fixed.http.beyond_loopback()
+    for host, beyond in (("localhost", False), ("::1", False), ("127.0.0.2", False),
+                         ("::", True), ("10.0.0.7", True), ("master.example", True)):  # fmt: skip
+        assert parse(base, http={"host": host}).http.beyond_loopback() is beyond, host

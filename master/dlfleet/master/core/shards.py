@@ -188,6 +188,19 @@ class DatasetStatusView:
     records_todo: int
     leases_active: int
     failed: tuple[FailedRange, ...]
+    shards_done: int = 0  # shards of the epoch every record of which is DONE
+
+
+def whole_shards(done: IntervalSet, config: DatasetConfig) -> int:
+    """How many of the epoch's shards `done` covers entirely: a few steps per
+    range of `done`, which merging keeps near the shards in flight."""
+    size, length = config.shard_size, config.epoch_length
+    count = 0
+    for start, end in done:
+        first = -(-start // size)  # the first shard that begins inside the range
+        past = config.shards_per_epoch if end >= length else end // size
+        count += max(0, past - first)
+    return count
 
 
 @dataclass
@@ -516,6 +529,7 @@ class ShardBook:
             records_todo=ds.todo_total(),
             leases_active=len(ds.doing),
             failed=tuple(ds.failed),
+            shards_done=whole_shards(ds.done, ds.config),
         )
 
     def install(self, state: DatasetState) -> None:

@@ -58,6 +58,7 @@ from dlfleet.brain.records import (
 from dlfleet.brain.reporter import BrainReporter
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import REASON_EVICTED, REASON_OOM, Node
+from dlfleet.master.job.tally import SupervisorTally
 
 _log = logging.getLogger(__name__)
 
@@ -108,9 +109,11 @@ class _Round:
 
 
 class BrainLink:
-    def __init__(self, config: JobConfig, token: str) -> None:
+    def __init__(self, config: JobConfig, token: str, tally: SupervisorTally | None = None) -> None:
+        """`tally`: where each plan that comes back is counted, by action."""
         self.config = config
         self.token = token
+        self.tally = tally
         self.mode = config.brain.mode
         self.api: BrainApi | None = None
         self.reporter: BrainReporter | None = None
@@ -145,7 +148,8 @@ class BrainLink:
             initial_nodes=config.nodes.start,
             memory_limit_bytes=(config.kubernetes.memory_bytes or 0) if config.kubernetes else 0,
             config={"name": config.name, "platform": config.platform,
-                    "nproc_per_node": config.nproc_per_node},
+                    "nproc_per_node": config.nproc_per_node,
+                    "min_round_s": brain.min_round_s},
         )  # fmt: skip
         settings = OptimizerSettings(
             scaling=ScalingSettings(min_round_s=brain.min_round_s, grow_share=brain.grow_share),
@@ -191,7 +195,7 @@ class BrainLink:
     def initial_nodes(self, default: int, timeout_s: float = 10.0) -> int:
         """The node count to start with: the brain's initial plan in `auto`
         mode (from past runs of the same kind), else `default`."""
-        if self.api is None:  # `mode: off`, or a brain that did not open
+        if self.api is None:  # brain.mode off, or a brain that could not open
             return default
         plan = self._ask_now(PlanRequest(job=self._job(), nodes=0), timeout_s)
         if plan is None:
@@ -220,6 +224,7 @@ class BrainLink:
                 return None
             self._down = False
             if plan.kind is PlanKind.NONE:
+                self._count(plan, applied=False)
                 self.last_plan = f"keep {target} nodes: {plan.reason}"
                 return None
             return plan
@@ -347,7 +352,12 @@ class BrainLink:
 
         self._executor.submit(mark)
 
+    def _count(self, plan: Plan, applied: bool) -> None:
+        if self.tally is not None:
+            self.tally.plan(plan.kind.value, applied)
+
     def _note(self, plan: Plan, applied: bool, note: str = "") -> None:
+        self._count(plan, applied)
         what = {
             PlanKind.INITIAL: f"start with {plan.target_nodes} nodes",
             PlanKind.SCALE: f"scale {plan.current_nodes} -> {plan.target_nodes} nodes",

@@ -27,7 +27,9 @@
     token_file: token.txt       # or `token:`; default: a fresh random token
     master: {host: 127.0.0.1, port: 0}
     http: {host: 127.0.0.1, port: 0, open_metrics: false}  # the master's /metrics and
-                                # /api/v1/status (port 0: a free one); `http: null` turns it off
+                                # /api/v1/status (port 0: a free one); `http: null` turns it off;
+                                # on kubernetes, a host beyond loopback (0.0.0.0) needs a fixed
+                                # port, which the master's Service names for Prometheus
     tls: {cert_file: master.crt, key_file: master.key}  # serve TLS only; nodes
                                 # verify with ca_file (default: cert_file)
     display: auto               # auto | live | plain | off
@@ -80,6 +82,7 @@ Read in the job supervisor process, and by `dlmaster status` / `dlmaster scale`
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from pathlib import Path
@@ -152,6 +155,15 @@ class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65_535)
     open_metrics: bool = False
+
+    def beyond_loopback(self) -> bool:
+        """Whether the endpoint listens where others can reach it."""
+        if self.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return True  # a host name: some interface of this machine
 
 
 class TlsConfig(_Strict):
@@ -353,6 +365,13 @@ class JobConfig(_Strict):
             raise ValueError("platform kubernetes needs a kubernetes: section (at least image)")
         if self.platform != "kubernetes" and self.kubernetes is not None:
             raise ValueError("a kubernetes: section needs platform: kubernetes")
+        http = self.http
+        kube = self.platform == "kubernetes"
+        if kube and http is not None and http.beyond_loopback() and http.port == 0:
+            raise ValueError(
+                f"http.port: on kubernetes an endpoint on {http.host} needs a fixed port "
+                "(the master Pod's containerPort and its Service's scrape annotations name it)"
+            )
         unit = self.rendezvous.node_unit
         if unit > self.nodes.maximum or self.nodes.maximum // unit * unit < self.nodes.min:
             raise ValueError(

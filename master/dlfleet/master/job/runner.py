@@ -61,6 +61,10 @@ from dlfleet.master.job.brain_link import BrainLink
 from dlfleet.master.job.display import Display
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import (
+    EXIT_NODE_FAULTY,
+    EXIT_NODE_LOST,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_WORKERS_FAILED,
     REASON_OOM,
     Node,
     NodeState,
@@ -69,6 +73,7 @@ from dlfleet.master.job.platform import (
 )
 from dlfleet.master.job.platform.local import LocalPlatform
 from dlfleet.master.job.supervised import SupervisedMaster
+from dlfleet.master.job.tally import SupervisorTally, exit_reason
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
 
@@ -76,10 +81,6 @@ _log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 RATE_WINDOW_S = 15.0
-EXIT_WORKERS_FAILED = 1  # dlworker's codes (dlfleet.worker.agent.loop)
-EXIT_NODE_LOST = 3
-EXIT_NODE_FAULTY = 4  # its agent diagnosed a hardware fault
-EXIT_OUT_OF_MEMORY = 5  # its agent diagnosed a worker killed for memory
 FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
 STOP_GRACE_S = 15.0
@@ -165,6 +166,7 @@ class JobRunner:
         self.control: grpc.aio.Server | None = None
         self.platform: Platform[Any] | None = None
         self.brain: BrainLink | None = None
+        self.tally = SupervisorTally()  # for the master's /metrics
         self._interrupted = asyncio.Event()
 
     # ------------------------------------------------------------------ run
@@ -204,7 +206,7 @@ class JobRunner:
                           config.name, self.master.http_url, self.master.http_url,
                           token_source(config))  # fmt: skip
             self.platform = self._make_platform(token)
-            self.brain = BrainLink(config, token)
+            self.brain = BrainLink(config, token, self.tally)
             await asyncio.to_thread(self.brain.open)
             self.target = await asyncio.to_thread(self.brain.initial_nodes, self.target)
             loop = asyncio.get_running_loop()
@@ -277,8 +279,10 @@ class JobRunner:
         """Ask the master how the job stands; while it is down, the last
         answer stands."""
         assert self.client is not None
+        if self.master is not None:
+            self.tally.master_restarts = max(0, self.master.restarts)
         try:
-            self.view = await asyncio.to_thread(self.client.master_status)
+            self.view = await asyncio.to_thread(self.client.master_status, self.tally.to_wire())
             self.master_up = True
         except DlfleetError:
             self.master_up = False
@@ -397,6 +401,7 @@ class JobRunner:
     def _on_exit(self, node: Node, code: int, reason: str = "") -> None:
         assert self.platform is not None
         how = describe_exit(code, reason)
+        self.tally.node_exit(exit_reason(code, reason, node.state is NodeState.STOPPING))
         if self.brain is not None and node.state is not NodeState.STOPPING and code != 0:
             lost = bool(reason) or code < 0 or code > 128 or code == EXIT_NODE_LOST
             self.brain.node_ended(node, code, reason, lost)
@@ -425,6 +430,7 @@ class JobRunner:
             wanted = len(self.platform.active) < self.target
             if wanted and self.relaunches_left > 0:
                 self.relaunches_left -= 1
+                self.tally.node_relaunches += 1
                 if node.relaunches + 1 >= FAULTY_AFTER_LOSSES:
                     # This slot keeps dying: retire it, and replace it with a
                     # fresh node rather than retry it forever.

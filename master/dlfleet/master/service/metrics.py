@@ -1,13 +1,19 @@
 """The master's Prometheus metrics, in a registry of its own (several masters
 in one test process must not share the global one).
 
-Two kinds, to keep the request path cheap:
+Three kinds, to keep the request path cheap:
 - facts the state already holds (the round, nodes by state, dataset progress,
-  the nodes' latest heartbeat metrics) are read by `StateCollector` only when
-  `/metrics` is scraped, and cost the RPCs nothing;
-- events (RPCs and their latency, store commits, lost nodes, worker failures,
-  finished shards) are counted as they happen, through label children cached
-  per label value so that a count is one dict look-up and one locked add.
+  the live nodes' latest heartbeat metrics) are read by `StateCollector` only
+  when `/metrics` is scraped, and cost the RPCs nothing; a node's series go
+  when it leaves;
+- events (RPCs and their latency, leases, acks and renewals, store commits,
+  lost nodes, worker failures and restarts, finished shards) are counted as
+  they happen, through label children cached per label value so that a count
+  is one dict look-up and one locked add;
+- what only the job's supervisor sees (the brain's plans, node exits as the
+  platform reports them, master restarts) arrives as running totals with its
+  status requests (`job_pb2.SupervisorTotals`), and the latest are exported
+  as they are (`SupervisorCollector`).
 
 Units are in the names (`_seconds`, `_bytes`), counters end in `_total`.
 
@@ -26,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dlfleet.api.v1 import rendezvous_pb2
+from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.master.core.events import (
     EpochCompleted,
     Event,
@@ -61,7 +67,10 @@ def lost_reason_label(reason: str) -> str:
 
 
 def failure_reason_label(report: rendezvous_pb2.FailureReport) -> str:
-    """A worker failure as a bounded label: its signal, else `exit`."""
+    """A worker failure as a bounded label: `hang` (the agent's watchdog
+    stopped it), its signal, else `exit`."""
+    if report.message.lstrip().startswith("hung:"):
+        return "hang"
     signal = report.signal.strip()
     if signal.startswith("SIG") and signal[3:].isalnum() and len(signal) <= 12:
         return signal
@@ -80,12 +89,23 @@ class MasterMetrics:
         )  # fmt: skip
         self._rpc_seconds = Histogram(
             "dlfleet_rpc_duration_seconds",
-            "Time to answer a unary RPC (Lease, Report = ack, Renew, Join, ...)",
-            ["method"], buckets=_RPC_BUCKETS, registry=reg,
+            "Time to answer a unary RPC (Lease, Report = ack, Renew, Join, ...), by status code",
+            ["method", "code"], buckets=_RPC_BUCKETS, registry=reg,
         )  # fmt: skip
         self._lease_seconds = Histogram(
             "dlfleet_shard_lease_duration_seconds",
             "Time from a lease request to its durable answer, unary or streamed (acks ride on it)",
+            buckets=_RPC_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self._ack_seconds = Histogram(
+            "dlfleet_shard_ack_duration_seconds",
+            "Time from an ack (a Report of done, or the done list of a lease request) "
+            "to its durable answer",
+            buckets=_RPC_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self._renew_seconds = Histogram(
+            "dlfleet_shard_renew_duration_seconds",
+            "Time from a lease renewal to its durable answer",
             buckets=_RPC_BUCKETS, registry=reg,
         )  # fmt: skip
         self._commit_seconds = Histogram(
@@ -106,6 +126,12 @@ class MasterMetrics:
         )  # fmt: skip
         self._worker_failures = Counter(
             "dlfleet_worker_failures", "Worker failures the agents reported, by reason",
+            ["reason"], registry=reg,
+        )  # fmt: skip
+        self._worker_restarts = Counter(
+            "dlfleet_worker_restarts",
+            "Worker-group restarts after a failure, by the failure's reason "
+            "(a new round restarts workers too: see rendezvous_rounds_formed)",
             ["reason"], registry=reg,
         )  # fmt: skip
         # A shard event's type -> the counter of its kind, by dataset.
@@ -130,6 +156,8 @@ class MasterMetrics:
             ),
         }  # fmt: skip
         self._children: dict[tuple[Any, ...], Any] = {}
+        self.supervisor = SupervisorCollector()
+        reg.register(self.supervisor)
 
     def watch(self, collector: Collector) -> None:
         self.registry.register(collector)
@@ -144,10 +172,19 @@ class MasterMetrics:
     def rpc_done(self, method: str, code: str, seconds: float | None) -> None:
         self._child(self._rpcs, method, code).inc()
         if seconds is not None:
-            self._child(self._rpc_seconds, method).observe(seconds)
+            self._child(self._rpc_seconds, method, code).observe(seconds)
 
-    def leased(self, seconds: float) -> None:
+    def leased(self, seconds: float, acked: bool) -> None:
+        """A lease answered; `acked` when the request also acknowledged shards."""
         self._lease_seconds.observe(seconds)
+        if acked:
+            self._ack_seconds.observe(seconds)
+
+    def acked(self, seconds: float) -> None:
+        self._ack_seconds.observe(seconds)
+
+    def renewed(self, seconds: float) -> None:
+        self._renew_seconds.observe(seconds)
 
     def committed(self, seconds: float, entries: int) -> None:
         """Called on the group committer's writer thread (the metrics lock)."""
@@ -161,7 +198,10 @@ class MasterMetrics:
             self._heartbeats_missed.inc()
 
     def worker_failed(self, report: rendezvous_pb2.FailureReport) -> None:
-        self._child(self._worker_failures, failure_reason_label(report)).inc()
+        label = failure_reason_label(report)
+        self._child(self._worker_failures, label).inc()
+        if report.restarting:
+            self._child(self._worker_restarts, label).inc()
 
     def shard_events(self, events: Sequence[Event]) -> None:
         for event in events:
@@ -242,6 +282,14 @@ class StateCollector(Collector):
         failed = GaugeMetricFamily(
             "dlfleet_dataset_failed_shards", "Shards given up on", labels=["dataset"]
         )
+        shards_done = GaugeMetricFamily(
+            "dlfleet_dataset_shards_done",
+            "Shards of the epoch in progress every record of which is done",
+            labels=["dataset", "epoch"],
+        )
+        shards = GaugeMetricFamily(
+            "dlfleet_dataset_epoch_shards", "Shards per epoch", labels=["dataset"]
+        )
         for name in sorted(book.datasets):
             view = book.status(name)
             per_epoch, total_epochs = view.records_per_epoch, view.config.epochs
@@ -260,7 +308,9 @@ class StateCollector(Collector):
             expected.add_metric([name], per_epoch * total_epochs)
             leases.add_metric([name], view.leases_active)
             failed.add_metric([name], len(view.failed))
-        yield from (epoch, epochs, records, done, expected, leases, failed)
+            shards_done.add_metric([name, label], view.shards_done)
+            shards.add_metric([name], view.config.shards_per_epoch)
+        yield from (epoch, epochs, records, done, expected, leases, failed, shards_done, shards)
 
     def _node_metrics(self) -> Iterator[Metric]:
         labels = ["node"]
@@ -288,7 +338,12 @@ class StateCollector(Collector):
             ),
         }
         now = self.clock()
+        # A node that left (or was dropped) takes its series with it, even
+        # while its session's last metrics are still held.
+        live = {record.node_id for record in self.state.nodes.nodes.values()}
         for node_id, (sample, at) in sorted(self.node_metrics.items()):
+            if node_id not in live:
+                continue
             node = [node_id]
             families["samples"].add_metric(node, sample.samples_per_second)
             families["steps"].add_metric(node, sample.steps_per_second)
@@ -298,6 +353,48 @@ class StateCollector(Collector):
             families["limit"].add_metric(node, sample.memory_limit_bytes)
             families["age"].add_metric(node, max(0, now - at) / 1000)
         yield from families.values()
+
+
+class SupervisorCollector(Collector):
+    """What the job's supervisor counted (`job_pb2.SupervisorTotals`, sent
+    with its status requests), exported as it last said: the totals are its
+    own since it started, so a restarted master repeats them at once, and a
+    request lost or repeated changes nothing. Zero until it reports (a
+    master without a supervisor has none to report)."""
+
+    def __init__(self) -> None:
+        self.totals = job_pb2.SupervisorTotals()
+
+    def reported(self, totals: job_pb2.SupervisorTotals) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self.totals
+        plans = CounterMetricFamily(
+            "dlfleet_brain_plans",
+            "The brain's plans, by action (scale, replace_node, memory, initial, none) "
+            "and whether they were carried out",
+            labels=["action", "applied"],
+        )
+        for plan in totals.brain_plans:
+            plans.add_metric([plan.action, "true" if plan.applied else "false"], plan.count)
+        exits = CounterMetricFamily(
+            "dlfleet_node_exits",
+            "Nodes that ended, as the platform saw them, by reason "
+            "(succeeded, left, workers_failed, lost, killed, preempted, oom_killed, evicted, ...)",
+            labels=["reason"],
+        )
+        for ended in totals.node_exits:
+            exits.add_metric([ended.reason], ended.count)
+        relaunches = CounterMetricFamily(
+            "dlfleet_node_relaunches", "Lost nodes the supervisor relaunched or replaced"
+        )
+        relaunches.add_metric([], totals.node_relaunches)
+        restarts = CounterMetricFamily(
+            "dlfleet_master_restarts", "Times the supervisor started the master again"
+        )
+        restarts.add_metric([], totals.master_restarts)
+        yield from (plans, exits, relaunches, restarts)
 
 
 def _code_name(context: Any, raised: bool) -> str:

@@ -122,23 +122,26 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             )
             outcomes = [outcome]
         await self.persist(events)
-        self.membership.metrics.leased(time.perf_counter() - start)
+        self.membership.metrics.leased(time.perf_counter() - start, acked=bool(request.done))
         return wire.lease_response(*outcomes)
 
     @rpc
     async def Renew(
         self, request: shards_pb2.RenewRequest, context: Any
     ) -> shards_pb2.RenewResponse:
+        start = time.perf_counter()
         deadline, events = self.state.book.renew(
             request.dataset, request.lease_id, request.round, request.consumed, self.clock()
         )
         await self.persist(events)
+        self.membership.metrics.renewed(time.perf_counter() - start)
         return shards_pb2.RenewResponse(deadline_unix_ms=deadline)
 
     @rpc
     async def Report(
         self, request: shards_pb2.ReportRequest, context: Any
     ) -> shards_pb2.ReportResponse:
+        start = time.perf_counter()
         now = self.clock()
         which = request.WhichOneof("result")
         duplicate = False
@@ -158,6 +161,8 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
         else:
             raise InvalidArgument("report names no result: set `done` or `failure`")
         await self.persist(events)
+        if which == "done":
+            self.membership.metrics.acked(time.perf_counter() - start)
         return shards_pb2.ReportResponse(duplicate=duplicate)
 
     @rpc
@@ -465,7 +470,11 @@ class MasterServer:
         self.metrics.watch(StateCollector(self.state, self.rendezvous.metrics, self.clock))
         job_pb2_grpc.add_MasterServicer_to_server(
             MasterStatusService(
-                self.state, self.rendezvous.failures, self.rendezvous.metrics, self.clock
+                self.state,
+                self.rendezvous.failures,
+                self.rendezvous.metrics,
+                self.clock,
+                on_supervisor=self.metrics.supervisor.reported,
             ),
             server,
         )

@@ -1,7 +1,9 @@
 """The `Master` status service: what this master knows about the job (the
 active round, each dataset's progress over all epochs, the latest worker
 failures, the in-memory checkpoints), for the job's supervisor and its
-display.
+display. The supervisor's requests carry what only it sees (its running
+totals: brain plans, node exits, master restarts), handed to `on_supervisor`
+for /metrics.
 
 Lives in the master service process.
 """
@@ -114,14 +116,18 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
         failures: Iterable[rendezvous_pb2.FailureReport],
         metrics: NodeMetricsView,
         clock: Callable[[], int],
+        on_supervisor: Callable[[job_pb2.SupervisorTotals], None] | None = None,
     ) -> None:
         self.state = state
         self.failures = failures
         self.metrics = metrics
         self.clock = clock
+        self.on_supervisor = on_supervisor
 
     @rpc
     async def GetStatus(
         self, request: job_pb2.MasterStatusRequest, context: Any
     ) -> job_pb2.MasterStatus:
+        if self.on_supervisor is not None and request.HasField("supervisor"):
+            self.on_supervisor(request.supervisor)
         return master_status(self.state, self.failures, self.metrics, self.clock())

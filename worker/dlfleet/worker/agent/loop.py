@@ -639,6 +639,8 @@ class Agent:
             signal=failure.signal_name or "",
             message=message[-8000:],
             restart_count=restart_count,
+            restarting=verdict.action is Action.RESTART
+            and restart_count < self.config.max_restarts,
             rule=verdict.rule,
             category=verdict.category.value,
             action=verdict.action.value,

@@ -59,6 +59,13 @@ REASON_OOM = "OOMKilled"
 REASON_EVICTED = "Evicted"
 REASON_DELETED = "Deleted"  # its Pod went away without our asking (preemption)
 
+# dlworker's exit codes (dlfleet.worker.agent.loop).
+EXIT_WORKERS_FAILED = 1  # its training failed beyond its restarts
+EXIT_NODE_LOST = 3  # it lost the job: master unreachable, dropped, rendezvous timed out
+EXIT_NODE_FAULTY = 4  # its agent diagnosed a hardware fault: replace the node
+EXIT_OUT_OF_MEMORY = 5  # its agent diagnosed a worker killed for memory
+EXIT_PREEMPTED = 128 + 15  # SIGTERM from outside
+
 
 @dataclass(frozen=True)
 class NodeExit:

@@ -11,6 +11,9 @@ asks for nodes; this platform makes them Pods and reads back what happened:
 - A headless Service `<job>-master` selects the master Pod: workers dial
   `<service>.<namespace>.svc:<port>` (or `master_address`). The token reaches
   them from a Secret (the user's `token_secret`, or `<job>-dlfleet` made here).
+  Where job.yaml's `http` listens beyond the Pod's loopback, the Service also
+  carries the HTTP port and `prometheus.io/{scrape,port,path,scheme}`
+  annotations, so that a Prometheus that discovers Services scrapes /metrics.
 - A watch thread keeps the latest copy of every Pod of the job. It resumes
   from the last resourceVersion after a watch ends, and lists afresh when that
   version is too old (410 Gone) or the API server was away: the Pods missing
@@ -228,6 +231,43 @@ class KubeNode(Node):
     @property
     def launched(self) -> bool:
         return bool(self.pod)
+
+
+def master_service(
+    config: JobConfig, name: str, namespace: str, master_port: int, owner: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The headless Service of the master Pod: gRPC for the workers, and
+    where job.yaml has a reachable `http` endpoint, its port and the
+    `prometheus.io/*` annotations a Prometheus discovers scrape targets by
+    (`kubernetes_sd_configs` role endpoints or service)."""
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {LABEL_JOB: config.name, "app.kubernetes.io/name": "dlfleet"},
+    }
+    if owner is not None:
+        metadata["ownerReferences"] = [owner]
+    ports: list[dict[str, Any]] = [{"name": "grpc", "port": master_port}]
+    if config.http is not None and config.http.beyond_loopback():
+        port = config.http.port
+        ports.append({"name": "http", "port": port})
+        metadata["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics",
+            "prometheus.io/scheme": "https" if config.tls is not None else "http",
+        }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_JOB: config.name, LABEL_ROLE: "master"},
+            "ports": ports,
+            "publishNotReadyAddresses": True,
+        },
+    }
 
 
 class KubernetesPlatform(Platform[KubeNode]):
@@ -597,24 +637,9 @@ class KubernetesPlatform(Platform[KubeNode]):
         return {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod.metadata.uid}
 
     def _ensure_service(self) -> None:
-        metadata: dict[str, Any] = {
-            "name": self.service,
-            "namespace": self.namespace,
-            "labels": {LABEL_JOB: self.config.name, "app.kubernetes.io/name": "dlfleet"},
-        }
-        if self._owner is not None:
-            metadata["ownerReferences"] = [self._owner]
-        body = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": metadata,
-            "spec": {
-                "clusterIP": "None",
-                "selector": {LABEL_JOB: self.config.name, LABEL_ROLE: "master"},
-                "ports": [{"name": "grpc", "port": self.master_port}],
-                "publishNotReadyAddresses": True,
-            },
-        }
+        body = master_service(
+            self.config, self.service, self.namespace, self.master_port, self._owner
+        )
         try:
             created = self.core.create_namespaced_service(
                 self.namespace, body, _request_timeout=CALL_TIMEOUT_S
@@ -627,6 +652,19 @@ class KubernetesPlatform(Platform[KubeNode]):
             created = self.core.read_namespaced_service(
                 self.service, self.namespace, _request_timeout=CALL_TIMEOUT_S
             )
+            # Made by an earlier run: it must still name this run's HTTP port.
+            wanted = body["metadata"].get("annotations", {})
+            found = {
+                key: value
+                for key, value in (created.metadata.annotations or {}).items()
+                if key.startswith("prometheus.io/")
+            }
+            if found != wanted:
+                _log.warning(
+                    "service %s has the scrape annotations %s, not %s (job.yaml http changed?); "
+                    "delete it to have it made again",
+                    self.service, found, wanted,
+                )  # fmt: skip
         if self._owner is None:
             # Outside a Pod, the Service anchors the job's objects: deleting it
             # deletes the Pods (garbage collection).
