@@ -339,11 +339,14 @@ class MasterClient:
         return self._call("GetStatus", self._job.GetStatus, job_pb2.JobStatusRequest())
 
     def master_status(
-        self, supervisor: job_pb2.SupervisorTotals | None = None
+        self,
+        supervisor: job_pb2.SupervisorTotals | None = None,
+        job: job_pb2.JobStatus | None = None,
     ) -> job_pb2.MasterStatus:
         """The master's view of the job; the job's supervisor sends its
-        running totals along (`supervisor`), for the master's /metrics."""
-        request = job_pb2.MasterStatusRequest(supervisor=supervisor)
+        running totals along (`supervisor`), for the master's /metrics, and
+        its own status of the job (`job`), for the master's /api/v1/status."""
+        request = job_pb2.MasterStatusRequest(supervisor=supervisor, job=job)
         return self._call("GetStatus", self._master.GetStatus, request)
 
     def scale(self, nodes: int) -> job_pb2.ScaleResponse:

@@ -442,6 +442,27 @@ def test_the_master_serves_metrics_and_status_over_http_while_the_job_runs(
     assert f"metrics and status on {url}; log in at {url}/login?token=<the token in" in out
 
 
+def test_the_masters_status_carries_what_only_the_supervisor_knows(make_job: Any) -> None:
+    job = make_job(nodes={"min": 2, "max": 2}).start()
+    job.wait_for(lambda: sum(s["world"] == 2 for s in job.seen()) == 2, "2 workers")
+    url = job.status()["http_url"]
+    token = (job.root / ".dlfleet" / "test-job" / "token").read_text().strip()
+
+    def supervisor_facts() -> bool:
+        status, text = http_get(url + "/api/v1/status", {"Authorization": f"Bearer {token}"})
+        assert status == 200, text
+        document = json.loads(text)
+        pids = {n["name"]: int(n["pid"]) for n in document["nodes"]}
+        return document["target_nodes"] == 2 and pids == {
+            name: job.node_pid(name) for name in ("node-0", "node-1")
+        }
+
+    job.wait_for(supervisor_facts, "the supervisor's facts (target, pids) in /api/v1/status")
+    job.stop_workers()
+    code, _, err = job.finish()
+    assert code == 0, err
+
+
 def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers or {})
     try:

@@ -282,7 +282,9 @@ class JobRunner:
         if self.master is not None:
             self.tally.master_restarts = max(0, self.master.restarts)
         try:
-            self.view = await asyncio.to_thread(self.client.master_status, self.tally.to_wire())
+            self.view = await asyncio.to_thread(
+                self.client.master_status, self.tally.to_wire(), self.status()
+            )
             self.master_up = True
         except DlfleetError:
             self.master_up = False

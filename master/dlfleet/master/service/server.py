@@ -32,6 +32,7 @@ from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
 from dlfleet.api.status_document import status_document
 from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
+    job_pb2,
     job_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
@@ -49,7 +50,11 @@ from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateColle
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Continuation, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
-from dlfleet.master.service.status_service import MasterStatusService, job_status
+from dlfleet.master.service.status_service import (
+    MasterStatusService,
+    SupervisorView,
+    job_status,
+)
 from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
@@ -439,9 +444,17 @@ class MasterServer:
         self._tls = tls
         self.metrics = metrics if metrics is not None else MasterMetrics()
         self.timeline = Timeline()
+        self.supervisor_view = SupervisorView()
         self._http_settings = http
         self.http: HttpEndpoint | None = None
         self.port = 0
+
+    def _job_status(self) -> job_pb2.JobStatus:
+        """/api/v1/status: this master's view, with the supervisor's facts."""
+        assert self.rendezvous is not None
+        now = self.clock()
+        own = job_status(self.state, self.rendezvous.failures, self.rendezvous.metrics, now)
+        return self.supervisor_view.merge(own, now)
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
@@ -475,6 +488,7 @@ class MasterServer:
                 self.rendezvous.metrics,
                 self.clock,
                 on_supervisor=self.metrics.supervisor.reported,
+                supervisor_view=self.supervisor_view,
             ),
             server,
         )
@@ -496,14 +510,11 @@ class MasterServer:
         await server.start()
         self._server = server
         if self._http_settings is not None:
-            rendezvous = self.rendezvous
             endpoint = HttpEndpoint(
                 self._http_settings,
                 token=self._token,
                 registry=self.metrics.registry,
-                status=lambda: status_document(
-                    job_status(self.state, rendezvous.failures, rendezvous.metrics, self.clock())
-                ),
+                status=lambda: status_document(self._job_status()),
                 tls=self._tls,
                 timeline=self.timeline,
             )

@@ -18,6 +18,10 @@ from dlfleet.master.service import wire
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.state import MasterState
 
+# The supervisor asks every 0.2 s; a view older than this is from a supervisor
+# that is gone (a standalone master then answers alone).
+SUPERVISOR_FRESH_MS = 5_000
+
 NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
 
 
@@ -109,6 +113,45 @@ def job_status(
     return status
 
 
+class SupervisorView:
+    """The job supervisor's latest status of the job, as its requests bring
+    it, merged into the master's own (`job_status`) while it is fresh."""
+
+    def __init__(self, fresh_ms: int = SUPERVISOR_FRESH_MS) -> None:
+        self.fresh_ms = fresh_ms
+        self.latest: job_pb2.JobStatus | None = None
+        self.at_ms = 0
+
+    def heard(self, status: job_pb2.JobStatus, now_ms: int) -> None:
+        self.latest, self.at_ms = status, now_ms
+
+    def merge(self, status: job_pb2.JobStatus, now_ms: int) -> job_pb2.JobStatus:
+        """`status` (the master's, live) with what only the supervisor knows:
+        the job's phase, target, ETA and brain plan, the master's restarts,
+        each node's state, process and relaunches, and the nodes that are not
+        (or no more) members: starting, lost, faulty."""
+        seen = self.latest
+        if seen is None or now_ms - self.at_ms > self.fresh_ms:
+            return status
+        merged = job_pb2.JobStatus()
+        merged.CopyFrom(status)
+        merged.phase, merged.reason = seen.phase, seen.reason
+        merged.target_nodes, merged.last_plan = seen.target_nodes, seen.last_plan
+        merged.master_pid, merged.master_restarts = seen.master_pid, seen.master_restarts
+        merged.http_url = seen.http_url
+        if status.eta_seconds < 0:
+            merged.eta_seconds = seen.eta_seconds
+        own = {node.name: node for node in status.nodes}
+        del merged.nodes[:]
+        for theirs in seen.nodes:
+            entry = merged.nodes.add()
+            entry.CopyFrom(own.pop(theirs.name, theirs))
+            entry.state, entry.pid, entry.detail = theirs.state, theirs.pid, theirs.detail
+            entry.relaunches, entry.memory_bytes = theirs.relaunches, theirs.memory_bytes
+        merged.nodes.extend(own.values())  # registered since the supervisor's view
+        return merged
+
+
 class MasterStatusService(job_pb2_grpc.MasterServicer):
     def __init__(
         self,
@@ -117,12 +160,14 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
         metrics: NodeMetricsView,
         clock: Callable[[], int],
         on_supervisor: Callable[[job_pb2.SupervisorTotals], None] | None = None,
+        supervisor_view: SupervisorView | None = None,
     ) -> None:
         self.state = state
         self.failures = failures
         self.metrics = metrics
         self.clock = clock
         self.on_supervisor = on_supervisor
+        self.supervisor_view = supervisor_view
 
     @rpc
     async def GetStatus(
@@ -130,4 +175,6 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
     ) -> job_pb2.MasterStatus:
         if self.on_supervisor is not None and request.HasField("supervisor"):
             self.on_supervisor(request.supervisor)
+        if self.supervisor_view is not None and request.HasField("job"):
+            self.supervisor_view.heard(request.job, self.clock())
         return master_status(self.state, self.failures, self.metrics, self.clock())

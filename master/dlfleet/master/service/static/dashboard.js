@@ -482,13 +482,14 @@ function renderPlan(doc) {
   if (box.dataset.key === key) return;
   box.dataset.key = key;
   if (!plan) {
+    // A master run by `dlmaster --job-config` carries its supervisor's plan
+    // (target_nodes set); a standalone master has no brain.
+    const note = doc.target_nodes
+      ? "The brain has not proposed anything yet: it plans once rounds have run long enough to measure."
+      : "This master runs without a job supervisor, so without a brain.";
     box.replaceChildren(
-      h("p", { class: "empty" }, "No plan in this status document."),
-      h(
-        "div",
-        { class: "plan" },
-        h("div", { class: "note" }, "The brain's decisions are kept by the job supervisor (dlmaster status shows them); the master's endpoint does not carry them."),
-      ),
+      h("p", { class: "empty" }, "No plan yet."),
+      h("div", { class: "plan" }, h("div", { class: "note" }, note)),
     );
     return;
   }
