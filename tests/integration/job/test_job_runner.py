@@ -183,6 +183,10 @@ def test_a_hardware_fault_replaces_the_node_at_once(make_job: Any) -> None:
     assert failure["restart_count"] == 0
     event = job_events(job, "worker_failed")[-1]
     assert (event["rule"], event["action"]) == ("gpu-hardware", "replace_node")
+    job.wait_for(
+        lambda: [e["node"] for e in job_events(job, "node_retired")] == ["node-1"],
+        "node-1 retired in the timeline",
+    )
     job.stop_workers()
     code, out, err = job.finish()
     assert code == 0, err

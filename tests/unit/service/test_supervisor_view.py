@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dlfleet.api.v1 import job_pb2
 from dlfleet.master.service.status_service import SupervisorView
+from dlfleet.master.service.timeline import EventKind, Timeline
 
 
 def master_side() -> job_pb2.JobStatus:
@@ -47,3 +48,19 @@ def test_without_a_fresh_view_the_master_answers_alone() -> None:
     assert view.merge(master_side(), now_ms=0) == master_side()
     view.heard(supervisor_side(), now_ms=1_000)
     assert view.merge(master_side(), now_ms=6_001) == master_side()
+
+
+def test_new_plans_and_retired_nodes_go_into_the_timeline_once() -> None:
+    timeline = Timeline()
+    view = SupervisorView(timeline=timeline)
+    for at in (1_000, 1_200, 1_400):  # the same view, polled three times
+        view.heard(supervisor_side(), now_ms=at)
+    later = supervisor_side()
+    later.last_plan = "replace node-3: straggler"
+    view.heard(later, now_ms=1_600)
+    events = [(e.kind, e.fields) for e in timeline.since(0)]
+    assert events == [
+        (EventKind.BRAIN_PLAN, {"plan": "scale to 2: grow"}),
+        (EventKind.NODE_RETIRED, {"node": "node-1", "detail": "GPU"}),
+        (EventKind.BRAIN_PLAN, {"plan": "replace node-3: straggler"}),
+    ]

@@ -444,7 +444,7 @@ class MasterServer:
         self._tls = tls
         self.metrics = metrics if metrics is not None else MasterMetrics()
         self.timeline = Timeline()
-        self.supervisor_view = SupervisorView()
+        self.supervisor_view = SupervisorView(timeline=self.timeline)
         self._http_settings = http
         self.http: HttpEndpoint | None = None
         self.port = 0

@@ -17,6 +17,7 @@ from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.master.service import wire
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.state import MasterState
+from dlfleet.master.service.timeline import EventKind, Timeline
 
 # The supervisor asks every 0.2 s; a view older than this is from a supervisor
 # that is gone (a standalone master then answers alone).
@@ -117,13 +118,31 @@ class SupervisorView:
     """The job supervisor's latest status of the job, as its requests bring
     it, merged into the master's own (`job_status`) while it is fresh."""
 
-    def __init__(self, fresh_ms: int = SUPERVISOR_FRESH_MS) -> None:
+    def __init__(
+        self, fresh_ms: int = SUPERVISOR_FRESH_MS, timeline: Timeline | None = None
+    ) -> None:
         self.fresh_ms = fresh_ms
+        self.timeline = timeline
         self.latest: job_pb2.JobStatus | None = None
         self.at_ms = 0
+        self._plan = ""
+        self._retired: set[str] = set()
 
     def heard(self, status: job_pb2.JobStatus, now_ms: int) -> None:
+        """Keep `status`; a new brain plan, or a node newly retired as
+        faulty, goes into the timeline."""
         self.latest, self.at_ms = status, now_ms
+        if self.timeline is None:
+            return
+        if status.last_plan and status.last_plan != self._plan:
+            self.timeline.record(EventKind.BRAIN_PLAN, now_ms, plan=status.last_plan[:500])
+        self._plan = status.last_plan
+        for node in status.nodes:
+            if node.state == "faulty" and node.name not in self._retired:
+                self._retired.add(node.name)
+                self.timeline.record(
+                    EventKind.NODE_RETIRED, now_ms, node=node.name, detail=node.detail[:500]
+                )
 
     def merge(self, status: job_pb2.JobStatus, now_ms: int) -> job_pb2.JobStatus:
         """`status` (the master's, live) with what only the supervisor knows:

@@ -562,6 +562,10 @@ function describe(e) {
       bits.push(`restart ${e.restart_count}`);
       return [`Worker failed on ${e.node_id} (rank ${e.global_rank})`, bits.join(" · "), "worker_failed"];
     }
+    case "brain_plan":
+      return ["Brain plan", e.plan || "", "brain_plan"];
+    case "node_retired":
+      return [`${e.node} retired as faulty`, e.detail || "replaced by a fresh node", "node_lost"];
     default:
       return [e.kind, "", ""];
   }
