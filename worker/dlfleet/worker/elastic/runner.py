@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -384,12 +385,33 @@ class _InProcess:
         self._destroy_group()
 
     def _destroy_group(self) -> None:
-        import torch.distributed as dist
-
         self.abort.disarm()
-        if dist.is_initialized():
-            with contextlib.suppress(RuntimeError, ValueError):
-                dist.destroy_process_group()
+        retire_process_group()
+
+
+# A process group's objects outlive its destruction for RETIRED_KEEP_S, on
+# purpose. gloo's destructor joins its worker threads while the caller holds
+# the GIL, and a worker that is just releasing a finished collective's tensors
+# needs the GIL (to drop their Python objects): a deadlock, seen as a spare
+# that never became ready or a survivor that never left its aborted round
+# (py-spy: the main thread in ~ProcessGroupGloo -> thread::join, a gloo thread
+# in ~AsyncAllreduceWork -> gil_scoped_acquire). Kept a while, the group's
+# threads are idle when its last reference goes.
+RETIRED_KEEP_S = 10.0
+_retired: deque[tuple[float, object]] = deque()
+
+
+def retire_process_group() -> None:
+    """`destroy_process_group()` of the default group, its objects kept
+    alive for a while (see above); groups retired long enough go now."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _retired.append((time.monotonic(), dist.group.WORLD))
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group()
+    while _retired and time.monotonic() - _retired[0][0] > RETIRED_KEEP_S:
+        _retired.popleft()
 
 
 def warm_up(backend: str | None) -> None:
@@ -411,7 +433,7 @@ def warm_up(backend: str | None) -> None:
         dist.all_reduce(torch.ones(1))
         import torch.distributed.checkpoint  # the checkpointer's planner
     finally:
-        dist.destroy_process_group()
+        retire_process_group()  # not destroyed now: see retire_process_group
     del backend
     _log.info("spare warmed up in %.2fs", time.monotonic() - started)
 
