@@ -271,3 +271,16 @@ def kill_tagged(
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def log_tails(root: Path, paths: list[Path], lines: int, width: int = 300) -> list[str]:
+    """The last `lines` lines of each non-empty log in `paths` (named relative
+    to `root`), for a failed trial's report."""
+    out: list[str] = []
+    for path in paths:
+        with suppress(OSError):
+            text = path.read_text(encoding="utf-8", errors="replace").rstrip().splitlines()
+            if text:
+                out.append(f"--- {path.relative_to(root)}")
+                out.extend(f"    {line[:width]}" for line in text[-lines:])
+    return out

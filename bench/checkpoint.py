@@ -89,6 +89,7 @@ from _common import (
     exit_on_sigterm,
     kill_tagged,
     listening_port,
+    log_tails,
     say,
     spawn_logged,
 )
@@ -316,16 +317,9 @@ class Trial:
             raise TrialError(str(exc), self.log_tails()) from None
 
     def log_tails(self, lines: int = 12) -> list[str]:
-        out: list[str] = []
         paths = [self.log_path(name) for name in self.procs]
         paths += sorted((self.dir / "worker-logs").glob("**/*.log"))
-        for path in paths:
-            with suppress(OSError):
-                text = path.read_text(encoding="utf-8", errors="replace").rstrip().splitlines()
-                if text:
-                    out.append(f"--- {path.relative_to(self.dir)}")
-                    out.extend(f"    {line[:300]}" for line in text[-lines:])
-        return out
+        return log_tails(self.dir, paths, lines)
 
     def cleanup(self) -> list[int]:
         """SIGKILL every process of the trial; the pids still alive after CLEANUP_S."""

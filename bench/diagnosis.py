@@ -67,6 +67,7 @@ from _common import (
     exit_on_sigterm,
     kill_tagged,
     listening_port,
+    log_tails,
     say,
     spawn_logged,
 )
@@ -231,16 +232,9 @@ class Trial:
             time.sleep(POLL_S)
 
     def tails(self, lines: int = 8) -> list[str]:
-        out: list[str] = []
         paths = [self.log(name) for name in self.procs]
         paths += sorted((self.dir / "worker-logs").glob("**/*.log"))
-        for path in paths:
-            with suppress(OSError):
-                text = path.read_text(encoding="utf-8", errors="replace").rstrip().splitlines()
-                if text:
-                    out.append(f"--- {path.relative_to(self.dir)}")
-                    out.extend(f"    {line[:240]}" for line in text[-lines:])
-        return out
+        return log_tails(self.dir, paths, lines, width=240)
 
     def cleanup(self) -> list[int]:
         left = kill_tagged(list(self.procs.values()), TAG_ENV, self.tag, CLEANUP_S)
