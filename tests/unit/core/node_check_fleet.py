@@ -35,6 +35,8 @@ class SimNode:
     compute_ms: float = 10.0
     link_ms: float = 5.0
     behaviour: str = "ok"  # ok | broken | silent | mute | crash
+    noise_ms: float = 0.0  # added to its first matmul only (a moment of load on its host)
+    computes: int = 0
 
 
 @dataclass
@@ -110,7 +112,9 @@ class Fleet:
                 if node.behaviour == "crash":
                     self.report(name, seq, CheckFailed("CUDA error: device-side assert"))
                 else:
-                    self.report(name, seq, ComputeDone(node.compute_ms, "cpu"))
+                    noise = node.noise_ms if node.computes == 0 else 0.0
+                    node.computes += 1
+                    self.report(name, seq, ComputeDone(node.compute_ms + noise, "cpu"))
             elif isinstance(order, PairOrder):
                 self.pair_side(name, seq, order)
         for push in list(self.pushed):

@@ -69,6 +69,16 @@ def test_a_slow_matmul_is_faulty_and_says_by_how_much() -> None:
     assert "slow_factor 2" in verdicts["c#1"].reason
 
 
+def test_a_slow_matmul_is_measured_again_and_a_moment_of_noise_faults_nobody() -> None:
+    fleet = fleet_of(
+        SimNode("a#1", "h1", 10), SimNode("b#1", "h2", 11, noise_ms=40), SimNode("c#1", "h3", 33)
+    )
+    verdicts = fleet.run()
+    assert faulty(verdicts) == {"c#1": CheckRule.COMPUTE_SLOW}
+    assert verdicts["b#1"].compute_ms == 11  # the faster of its two matmuls
+    assert [fleet.nodes[n].computes for n in ("a#1", "b#1", "c#1")] == [1, 2, 2]
+
+
 def test_a_node_slow_on_the_wire_is_isolated_not_its_partners() -> None:
     names = ["a", "b", "c", "d"]
     fleet = fleet_of(*(SimNode(f"{x}#1", x, 10, 20 if x == "c" else 5) for x in names))

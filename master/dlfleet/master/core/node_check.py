@@ -10,7 +10,9 @@ on the node then `report`s what it measured and gets its next order:
    at a time; nodes that begin meanwhile form the next one.
 2. Compute: a matmul on the node's device, best of a few runs. Nodes on the
    same host take turns: they share its device, and measured together they
-   would measure each other.
+   would measure each other. A node whose matmul looks slow measures again
+   (the faster of the two counts): a moment of noise on its host must not
+   cost it its place.
 3. Pairs: all-reduces between two nodes along a cycle through the cohort,
    `cycle_pairs`: round A (0,1),(2,3)...; round B (1,2),(3,4)...,(n-1,0); with
    an odd count round C (n-1,0). Every node has two partners: a slow or broken
@@ -51,6 +53,7 @@ from dlfleet.master.core.node_check_verdict import (
     PairRun,
     PairSide,
     Verdict,
+    compute_suspects,
     failed_verdict,
     judge,
 )
@@ -186,6 +189,7 @@ class _Cohort:
     formed_ms: int
     to_compute: list[str]
     edges: list[tuple[str, str, bool]] = field(default_factory=list)  # (a, b, b is a helper)
+    measured_twice: set[str] = field(default_factory=set)  # slow matmuls, measured again
     planned: bool = False
     running: dict[int, PairRun] = field(default_factory=dict)
     finished: list[PairRun] = field(default_factory=list)
@@ -264,7 +268,9 @@ class NodeCheckBoard:
         elif isinstance(result, Ready) and node.stage is Stage.BEGUN:
             node.stage, node.deadline_ms = Stage.READY, None
         elif isinstance(result, ComputeDone) and node.stage is Stage.COMPUTING:
-            node.compute_ms, node.device = max(0.0, result.best_ms), result.device
+            measured = max(0.0, result.best_ms)  # a second measurement keeps the faster
+            node.compute_ms = min(measured, node.compute_ms or measured)
+            node.device = result.device
             node.stage, node.deadline_ms = Stage.IDLE, None
         elif isinstance(result, PairDone) and node.stage is Stage.PAIRING:
             self._pair_side(node_id, result)
@@ -315,11 +321,12 @@ class NodeCheckBoard:
     def next_deadline(self) -> int | None:
         """When `tick` may next change something, for a timer."""
         deadlines = [n.deadline_ms for n in self.nodes.values() if n.deadline_ms is not None]
+        gathering = self._gathering()
         if self.cohort is not None:
             deadlines += [run.deadline_ms for run in self.cohort.running.values()]
-        elif self._gathering():
-            last = max(n.begun_ms for n in self._gathering())
-            deadlines.append(last + self.settings.gather_ms)
+        elif gathering and all(n.stage is Stage.READY for n in gathering):
+            # (while one is still starting, its report or its deadline comes first)
+            deadlines.append(max(n.begun_ms for n in gathering) + self.settings.gather_ms)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------- the steps
@@ -356,6 +363,11 @@ class NodeCheckBoard:
         computing = [m for m in cohort.members if self._stage(m) is Stage.COMPUTING]
         if computing or cohort.to_compute:
             return []
+        suspects = [m for m in self._compute_suspects(cohort) if m not in cohort.measured_twice]
+        if suspects and not cohort.planned:
+            cohort.measured_twice.update(suspects)
+            cohort.to_compute = suspects
+            return self._advance(cohort, now_ms, helpers)
         if not cohort.planned:
             cohort.planned = True
             cohort.edges = self._plan(cohort, helpers)
@@ -363,6 +375,11 @@ class NodeCheckBoard:
         if cohort.edges or cohort.running:
             return effects
         return effects + self._judge(cohort, now_ms)
+
+    def _compute_suspects(self, cohort: _Cohort) -> list[str]:
+        members = [self.nodes[m] for m in cohort.members if self.checking(m)]
+        earlier = {k: v for k, v in self.healthy_compute.items() if k not in cohort.members}
+        return compute_suspects(members, earlier, self.settings.slow_factor)
 
     def _plan(self, cohort: _Cohort, helpers: Sequence[str]) -> list[tuple[str, str, bool]]:
         """The cycle through the cohort; for a cohort of one or two while

@@ -122,6 +122,34 @@ def failed_verdict(
     )
 
 
+def compute_references(
+    members: Sequence[Measured], earlier_compute: Mapping[str, float]
+) -> dict[str, float]:
+    """Each member's reference matmul time: the median of the others' (its
+    cohort's, and healthy nodes' from earlier cohorts); 0 without any."""
+    computes = {m.node_id: m.compute_ms for m in members if m.compute_ms is not None}
+    references: dict[str, float] = {}
+    for member in members:
+        me = member.node_id
+        others = [v for k, v in computes.items() if k != me]
+        others += [v for k, v in earlier_compute.items() if k != me]
+        references[me] = statistics.median(others) if others else 0.0
+    return references
+
+
+def compute_suspects(
+    members: Sequence[Measured], earlier_compute: Mapping[str, float], slow_factor: float
+) -> list[str]:
+    """Members whose matmul is slow by the rule: measured again before they
+    are judged, so that a moment of noise on the host faults nobody."""
+    references = compute_references(members, earlier_compute)
+    return [
+        m.node_id
+        for m in members
+        if m.compute_ms is not None and m.compute_ms > slow_factor * references[m.node_id] > 0
+    ]
+
+
 def judge(
     members: Sequence[Measured],
     runs: Sequence[PairRun],
@@ -130,7 +158,7 @@ def judge(
     now_ms: int,
 ) -> dict[str, Verdict]:
     """Every member's verdict from its cohort's matmuls and pairs."""
-    computes = {m.node_id: m.compute_ms for m in members if m.compute_ms is not None}
+    compute_refs = compute_references(members, earlier_compute)
     measured = {m.node_id: _measure(m.node_id, runs) for m in members}
     bests: dict[str, float] = {}
     for node_id, pairs in measured.items():
@@ -140,10 +168,7 @@ def judge(
     verdicts: dict[str, Verdict] = {}
     for member in members:
         me = member.node_id
-        others = [v for k, v in computes.items() if k != me] + [
-            v for k, v in earlier_compute.items() if k != me
-        ]
-        compute_ref = statistics.median(others) if others else 0.0
+        compute_ref = compute_refs[me]
         pair_others = [v for k, v in bests.items() if k != me]
         pair_ref = statistics.median(pair_others) if pair_others else 0.0
         judged = tuple(_slow_or_good(p, pair_ref, slow_factor) for p in measured[me])

@@ -1,6 +1,6 @@
 """The job's timeline as this master saw it, for `/api/v1/events`: rounds that
 formed and closed (and why), nodes that registered and were lost (and why),
-worker failures the agents reported.
+worker failures the agents reported, node check verdicts.
 
 Kept in memory, the newest `capacity` entries: it explains the recent past
 to a person or a dashboard, it is not a journal (the store is). Each entry has
@@ -26,6 +26,7 @@ class EventKind(enum.Enum):
     NODE_REGISTERED = "node_registered"
     NODE_LOST = "node_lost"
     WORKER_FAILED = "worker_failed"
+    NODE_CHECKED = "node_checked"  # a pre-flight node check's verdict, with its numbers
 
 
 @dataclass(frozen=True)
