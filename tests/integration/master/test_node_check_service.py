@@ -47,6 +47,7 @@ class SimulatedNode:
     link_ms: float = 5.0
     links: dict[str, float] = field(default_factory=dict)  # every node's link time, by id
     before_compute: threading.Event | None = None  # set: report the matmul; unset: wait
+    host: str = HOST
     got_compute: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -62,14 +63,14 @@ class SimulatedNode:
             incarnation=self.incarnation,
             check_id=check_id,
             done_order=done,
-            host=HOST,
+            host=self.host,
             store_port=20_000,
             **result,  # type: ignore[arg-type]
         )
 
     def check(self) -> tuple[nodecheck_pb2.NodeCheckVerdict, set[str]]:
         """Begin, carry out orders, and return the verdict and every check id seen."""
-        check_id = self.client.node_check_begin(self.node_id, self.incarnation, HOST).check_id
+        check_id = self.client.node_check_begin(self.node_id, self.incarnation, self.host).check_id
         seen, done = {check_id}, 0
         report = self.report(check_id, 0, ready=nodecheck_pb2.NodeCheckPoll())
         while True:
@@ -165,7 +166,9 @@ def test_a_late_node_pairs_with_a_node_past_its_check_through_its_session(
             node_id=first.node_id, incarnation=1, local_world_size=1, host=HOST,
             bootstrap_port=29_500, timeout_s=10,
         )  # fmt: skip
-        late = SimulatedNode(master.address, "node-1", compute_ms=11.0, links=links)
+        # On a host of its own: compared with node-0's matmul (on one host, node-0
+        # would be training on the device the late node is measured on).
+        late = SimulatedNode(master.address, "node-1", compute_ms=11.0, links=links, host="h2")
         with ThreadPoolExecutor(1) as pool:
             checking = pool.submit(late.check)
             order = first.session.check_pairs.get(timeout=10)  # pushed on its session

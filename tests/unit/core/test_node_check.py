@@ -172,6 +172,15 @@ def test_a_late_node_is_compared_with_the_healthy_ones_and_pairs_with_a_helper()
     assert faulty(fleet.run()) == {"n5#1": CheckRule.COMPUTE_SLOW}
 
 
+def test_a_late_node_is_not_compared_with_nodes_training_on_its_own_host() -> None:
+    fleet = fleet_of(*(SimNode(f"n{i}#1", "shared", 10) for i in range(3)))
+    fleet.run()
+    fleet.helpers = {f"n{i}#1": fleet.nodes[f"n{i}#1"] for i in range(3)}
+    fleet.begin(SimNode("n3#1", "shared", 35))  # its host is busy with their training
+    late = fleet.run()["n3#1"]
+    assert not late.faulty and late.compute_reference_ms == 0, late.reason
+
+
 def test_a_failed_helper_pair_faults_the_late_node() -> None:
     fleet = fleet_of(*(SimNode(f"n{i}#1", f"h{i}", 10) for i in range(3)))
     fleet.run()

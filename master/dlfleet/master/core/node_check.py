@@ -28,7 +28,8 @@ caller's list, known healthy ones first), pairs each of its nodes with such a
 helper instead, which runs its side beside its training (a `HelperPair`
 effect, pushed to it): that pair fails the late node if it fails, never for
 being slow, since the helper is busy. Matmuls are also compared with the
-healthy nodes' from earlier cohorts.
+healthy nodes' from earlier cohorts, those on other hosts only: on the late
+node's own host they train now, on the device it is measured on.
 
 Timeouts: each step a node takes (start-up until ready, its matmul, its side
 of a pair) must end within `step_timeout_ms`, or the node is faulty (hung). A
@@ -219,7 +220,8 @@ class NodeCheckBoard:
         self._cohorts = 0
         self._pairs = 0
         self.verdicts: dict[str, Verdict] = {}  # the latest per node, oldest first
-        self.healthy_compute: dict[str, float] = {}  # healthy nodes' matmuls, for late cohorts
+        # Healthy nodes' matmuls, for late cohorts: node id -> (host, ms).
+        self.healthy_compute: dict[str, tuple[str, float]] = {}
         self._healthy_live: set[str] = set()
         self._helper_busy: set[str] = set()
 
@@ -516,7 +518,7 @@ class NodeCheckBoard:
         else:
             self._healthy_live.add(node.node_id)
             if verdict.compute_ms > 0:
-                self.healthy_compute[node.node_id] = verdict.compute_ms
+                self.healthy_compute[node.node_id] = (node.host, verdict.compute_ms)
         return [verdict]
 
     # --------------------------------------------------------------- helpers

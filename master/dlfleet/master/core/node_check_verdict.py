@@ -7,7 +7,9 @@ A node is faulty when, in this order of rules:
 - `hung`: it did not answer within the step timeout (start-up, its matmul,
   or its side of a pair, where the peer did answer);
 - `compute_slow`: its matmul took more than `slow_factor` x the median of the
-  other nodes' (its cohort's, and healthy nodes' from earlier cohorts);
+  other nodes' (its cohort's, and healthy nodes' from earlier cohorts on
+  other hosts: on its own host they are training now, and it shares their
+  device);
 - `pairs_failed` / `pairs_slow`: it has pairs with two or more different
   partners and every one of them failed or was slow; slow meaning above
   `slow_factor` x the median of the other nodes' best pair times. Each partner
@@ -102,6 +104,7 @@ class Measured(Protocol):
     """What `judge` reads of a node."""
 
     node_id: str
+    host: str
     begun_ms: int
     compute_ms: float | None
 
@@ -122,27 +125,30 @@ def failed_verdict(
     )
 
 
-def compute_references(
-    members: Sequence[Measured], earlier_compute: Mapping[str, float]
-) -> dict[str, float]:
+# Healthy nodes' matmuls from earlier cohorts: node id -> (host, ms).
+Earlier = Mapping[str, tuple[str, float]]
+
+
+def compute_references(members: Sequence[Measured], earlier: Earlier) -> dict[str, float]:
     """Each member's reference matmul time: the median of the others' (its
-    cohort's, and healthy nodes' from earlier cohorts); 0 without any."""
+    cohort's, measured one host at a time, and earlier healthy nodes' on
+    other hosts); 0 without any."""
     computes = {m.node_id: m.compute_ms for m in members if m.compute_ms is not None}
     references: dict[str, float] = {}
     for member in members:
         me = member.node_id
         others = [v for k, v in computes.items() if k != me]
-        others += [v for k, v in earlier_compute.items() if k != me]
+        others += [ms for k, (host, ms) in earlier.items() if k != me and host != member.host]
         references[me] = statistics.median(others) if others else 0.0
     return references
 
 
 def compute_suspects(
-    members: Sequence[Measured], earlier_compute: Mapping[str, float], slow_factor: float
+    members: Sequence[Measured], earlier: Earlier, slow_factor: float
 ) -> list[str]:
     """Members whose matmul is slow by the rule: measured again before they
     are judged, so that a moment of noise on the host faults nobody."""
-    references = compute_references(members, earlier_compute)
+    references = compute_references(members, earlier)
     return [
         m.node_id
         for m in members
@@ -153,12 +159,12 @@ def compute_suspects(
 def judge(
     members: Sequence[Measured],
     runs: Sequence[PairRun],
-    earlier_compute: Mapping[str, float],
+    earlier: Earlier,
     slow_factor: float,
     now_ms: int,
 ) -> dict[str, Verdict]:
     """Every member's verdict from its cohort's matmuls and pairs."""
-    compute_refs = compute_references(members, earlier_compute)
+    compute_refs = compute_references(members, earlier)
     measured = {m.node_id: _measure(m.node_id, runs) for m in members}
     bests: dict[str, float] = {}
     for node_id, pairs in measured.items():

@@ -561,6 +561,11 @@ function describe(e) {
       bits.push(`restart ${e.restart_count}`);
       return [`Worker failed on ${e.node_id} (rank ${e.global_rank})`, bits.join(" · "), "worker_failed"];
     }
+    case "node_checked":
+      if (e.verdict === "faulty") {
+        return [`${e.node_id} failed its node check`, `${e.rule}: ${e.reason || ""}`, "node_lost"];
+      }
+      return [`${e.node_id} passed its node check`, `${(e.took_ms / 1000).toFixed(1)} s · ${e.reason || ""}`, "node_registered"];
     default:
       return [e.kind, "", ""];
   }
