@@ -472,7 +472,8 @@ class NodeCheckBoard:
     def _judge(self, cohort: _Cohort, now_ms: int) -> list[Effect]:
         members = [self.nodes[m] for m in cohort.members if self.checking(m)]
         earlier = {k: v for k, v in self.healthy_compute.items() if k not in cohort.members}
-        verdicts = judge(members, cohort.finished, earlier, self.settings.slow_factor, now_ms)
+        factor = self.settings.slow_factor
+        verdicts = judge(members, cohort.finished, earlier, factor, now_ms, cohort.formed_ms)
         self.cohort = None
         effects: list[Effect] = []
         for node in members:
@@ -502,7 +503,9 @@ class NodeCheckBoard:
 
     def _conclude(self, node: _Node, rule: CheckRule, why: str, now_ms: int) -> list[Effect]:
         """`node` failed or hung: faulty at once, out of its cohort's plans."""
-        verdict = failed_verdict(node, rule, why, now_ms, self.settings.slow_factor)
+        cohort = self.cohort
+        formed = cohort.formed_ms if cohort is not None and node.node_id in cohort.members else None
+        verdict = failed_verdict(node, rule, why, now_ms, self.settings.slow_factor, formed)
         self._abandon(node.node_id, "is out of the check")
         return self._record(node, verdict)
 

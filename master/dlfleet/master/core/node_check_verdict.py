@@ -98,6 +98,7 @@ class Verdict:
     pair_reference_ms: float = 0.0
     took_ms: int = 0  # from the node's begin to this verdict
     at_ms: int = 0
+    measure_ms: int = 0  # from its cohort's forming to this verdict: the measuring alone
 
 
 class Measured(Protocol):
@@ -110,9 +111,15 @@ class Measured(Protocol):
 
 
 def failed_verdict(
-    node: Measured, rule: CheckRule, reason: str, now_ms: int, slow_factor: float
+    node: Measured,
+    rule: CheckRule,
+    reason: str,
+    now_ms: int,
+    slow_factor: float,
+    formed_ms: int | None = None,
 ) -> Verdict:
-    """The verdict on a node that failed or hung before its cohort was judged."""
+    """The verdict on a node that failed or hung before its cohort was judged
+    (`formed_ms`: when its cohort formed, if it had)."""
     return Verdict(
         node.node_id,
         True,
@@ -122,6 +129,7 @@ def failed_verdict(
         compute_ms=node.compute_ms or 0.0,
         took_ms=max(0, now_ms - node.begun_ms),
         at_ms=now_ms,
+        measure_ms=max(0, now_ms - formed_ms) if formed_ms is not None else 0,
     )
 
 
@@ -162,8 +170,10 @@ def judge(
     earlier: Earlier,
     slow_factor: float,
     now_ms: int,
+    formed_ms: int,
 ) -> dict[str, Verdict]:
-    """Every member's verdict from its cohort's matmuls and pairs."""
+    """Every member's verdict from its cohort's matmuls and pairs (the cohort
+    formed at `formed_ms`)."""
     compute_refs = compute_references(members, earlier)
     measured = {m.node_id: _measure(m.node_id, runs) for m in members}
     bests: dict[str, float] = {}
@@ -191,6 +201,7 @@ def judge(
             pair_reference_ms=pair_ref,
             took_ms=max(0, now_ms - member.begun_ms),
             at_ms=now_ms,
+            measure_ms=max(0, now_ms - formed_ms),
         )
     return verdicts
 

@@ -151,6 +151,7 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
             pair_reference_ms=round(verdict.pair_reference_ms, 3),
             slow_factor=verdict.slow_factor,
             took_ms=verdict.took_ms,
+            measure_ms=verdict.measure_ms,
         )
         how = _log.warning if verdict.faulty else _log.info
         how("node check: %s is %s (rule %s, %.2fs): %s", verdict.node_id,

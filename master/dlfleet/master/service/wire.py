@@ -276,6 +276,7 @@ def verdict_to_wire(verdict: Verdict) -> nodecheck_pb2.NodeCheckVerdict:
         pair_reference_ms=verdict.pair_reference_ms,
         took_ms=verdict.took_ms,
         at_ms=verdict.at_ms,
+        measure_ms=verdict.measure_ms,
     )
 
 

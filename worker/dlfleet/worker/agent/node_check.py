@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient
 from dlfleet.api.errors import DlfleetError, StaleError, Unavailable
+from dlfleet.api.processes import die_with_parent
 from dlfleet.api.v1 import nodecheck_pb2
 from dlfleet.worker.nodecheck import EXIT_FAULTY, EXIT_HEALTHY, EXIT_LOST, MODULE
 
@@ -78,7 +79,7 @@ def run_check(
         "--check-id", begun.check_id,
         "--result", str(result),
     ]  # fmt: skip
-    proc = subprocess.Popen(command, env={**os.environ, TOKEN_ENV: token})
+    proc = subprocess.Popen(die_with_parent(command), env={**os.environ, TOKEN_ENV: token})
     limit_s = CHECK_TIMEOUT_STEPS * begun.step_timeout_ms / 1000
     code = _wait(proc, limit_s, stop)
     took = time.monotonic() - started
@@ -167,7 +168,8 @@ class CheckHelper:
                 "--incarnation", str(self.incarnation),
                 "--helper-pair", order.SerializeToString().hex(),
             ]  # fmt: skip
-            proc = subprocess.Popen(command, env={**os.environ, TOKEN_ENV: self.token})
+            env = {**os.environ, TOKEN_ENV: self.token}
+            proc = subprocess.Popen(die_with_parent(command), env=env)
             code = _wait(proc, order.timeout_ms / 1000 + HELPER_GRACE_S, self._closed)
             if code != EXIT_HEALTHY:
                 _log.warning("node check: the helper pair %d ended with %s", order.pair, code)
