@@ -69,7 +69,7 @@ class NodeCheckSettings:
     gather_ms: int = 2_000
     expected_nodes: int = 1  # a cohort forms at once when this many nodes are in
     matmul_size: int = 512
-    matmul_repeats: int = 5
+    matmul_repeats: int = 10
     allreduce_numel: int = 1 << 20  # float32 elements: 4 MiB
     allreduce_iterations: int = 10
 
