@@ -4,19 +4,27 @@ slower (its matmul and its all-reduces). The check finds it before it trains;
 the runner marks it faulty and starts a fresh node at once, which checks in
 turn (late: it pairs with a node past its check) and trains with the other
 two. The verdicts show in `dlmaster status`, /api/v1/status and
-/api/v1/events, and the runner's log says why, with the numbers."""
+/api/v1/events, and the runner's log says why, with the numbers. And an
+agent preempted in the middle of its check leaves at once, its check process
+with it."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JobProcess
+from harness import JobProcess, MasterProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -97,3 +105,45 @@ def test_a_slow_node_is_found_and_replaced_before_it_trains(tmp_path: Path) -> N
         print(f"slow node found and replaced, 3 nodes training after {took:.1f}s")
     finally:
         job.kill()
+
+
+def test_an_agent_preempted_mid_check_exits_143_and_its_check_process_with_it(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> None:
+    master = master_process(
+        f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2"
+    )
+    (tmp_path / "worker.py").write_text("print('never trains')\n")
+    argv = [
+        sys.executable, "-m", "dlfleet.worker.agent.loop", "--master", master.address,
+        "--node-name", "lonely", "--nnodes", "2:2", "--node-check", str(tmp_path / "worker.py"),
+    ]  # fmt: skip
+    agent = subprocess.Popen(
+        argv,
+        env={**os.environ, "DLFLEET_TOKEN": "test-token"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None
+        lines = []
+        for line in agent.stdout:
+            lines.append(line)
+            began = re.search(r"node check: begun \(check \w+\), its process is (\d+)", line)
+            if began:
+                break
+        assert began, "".join(lines)
+        check_pid = int(began.group(1))
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=30)
+        assert agent.returncode == 143, out
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{check_pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{check_pid}"), "the check process outlived its agent"
+        assert "never trains" not in out
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)

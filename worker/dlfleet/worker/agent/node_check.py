@@ -80,6 +80,7 @@ def run_check(
         "--result", str(result),
     ]  # fmt: skip
     proc = subprocess.Popen(die_with_parent(command), env={**os.environ, TOKEN_ENV: token})
+    _log.info("node check: begun (check %s), its process is %d", begun.check_id, proc.pid)
     limit_s = CHECK_TIMEOUT_STEPS * begun.step_timeout_ms / 1000
     code = _wait(proc, limit_s, stop)
     took = time.monotonic() - started
