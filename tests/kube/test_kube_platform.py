@@ -53,9 +53,10 @@ def make_job(tmp_path: Path, namespace: str, kube_cluster: KubeCluster) -> Itera
 def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
     make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
 ) -> None:
-    job = make_job(["--sleep-per-step", "0.02"]).start()
+    job = make_job(["--sleep-per-step", "0.02"], node_check={"enabled": True}).start()
     wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
     for name, pod in running_pods(api, namespace).items():
+        assert "--node-check" in pod.spec.containers[0].command
         labels = pod.metadata.labels
         assert labels["dlfleet.io/job"] == "kjob" and labels["dlfleet.io/role"] == "worker"
         assert name == f"kjob-node-{labels['dlfleet.io/node-index']}-0"
@@ -67,6 +68,10 @@ def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
         assert token not in json.dumps(pod.to_dict(), default=str)  # only in the Secret
     service: Any = k8s.CoreV1Api(api).read_namespaced_service("kjob-master", namespace)
     assert service.spec.cluster_ip == "None"
+    job.wait_for(
+        lambda: all(n["check"]["rule"] == "healthy" for n in job.status()["nodes"]),
+        "every node's check healthy",
+    )
     job.succeed()
     job.check()
     assert job.worlds() == [2]
