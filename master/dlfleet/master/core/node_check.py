@@ -31,9 +31,11 @@ being slow, since the helper is busy. Matmuls are also compared with the
 healthy nodes' from earlier cohorts, those on other hosts only: on the late
 node's own host they train now, on the device it is measured on.
 
-Timeouts: each step a node takes (start-up until ready, its matmul, its side
-of a pair) must end within `step_timeout_ms`, or the node is faulty (hung). A
-pair that one side reported and the other did not blames the silent side.
+Timeouts: each step a node takes (its matmul, its side of a pair) must end
+within `step_timeout_ms`, its start-up (until its check process is ready:
+an interpreter and torch, beside the other nodes' on a shared host) within
+`startup_timeout_ms`, or the node is faulty (hung). A pair that one side
+reported and the other did not blames the silent side.
 
 Time is an argument; nothing here reads a clock. One owner (the master's
 event loop) drives it. Not journaled: a master restarted mid-check starts a
@@ -89,6 +91,10 @@ class NodeCheckSettings:
     def helper_timeout_ms(self) -> int:
         """A healthy node starts its side of a helper pair from nothing."""
         return 2 * self.step_timeout_ms
+
+    @property
+    def startup_timeout_ms(self) -> int:
+        return 4 * self.step_timeout_ms
 
 
 # ------------------------------------------------------------------ orders
@@ -234,7 +240,7 @@ class NodeCheckBoard:
         if not node_id:
             raise InvalidArgument("a node check needs a node id")
         self._forget(node_id)
-        deadline = now_ms + self.settings.step_timeout_ms
+        deadline = now_ms + self.settings.startup_timeout_ms
         self.nodes[node_id] = _Node(node_id, host, now_ms, deadline_ms=deadline)
         return self.tick(now_ms, helpers)
 
@@ -485,8 +491,11 @@ class NodeCheckBoard:
         timeout_s = f"{self.settings.step_timeout_ms / 1000:g}s"
         for node in list(self.nodes.values()):
             if node.deadline_ms is not None and now_ms >= node.deadline_ms:
-                what = "start its check" if node.stage is Stage.BEGUN else "time its matmul"
-                why = f"did not {what} within {timeout_s}"
+                if node.stage is Stage.BEGUN:
+                    startup = self.settings.startup_timeout_ms / 1000
+                    why = f"did not start its check within {startup:g}s"
+                else:
+                    why = f"did not time its matmul within {timeout_s}"
                 effects += self._conclude(node, CheckRule.HUNG, why, now_ms)
         cohort = self.cohort
         if cohort is None:

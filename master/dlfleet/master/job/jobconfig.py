@@ -22,9 +22,10 @@
       slow_factor: 2.0          # nodes (re-paired so a bad node is isolated, not its
       timeout_s: 30             # partner); a node slower than slow_factor x the median of
                                 # the others, broken, or silent past timeout_s in a step
-                                # (start-up, matmul, one pair) is faulty and replaced before
-                                # training. auto: on when nodes.max > 1. Two nodes are judged
-                                # by their matmuls and timeouts only (one pair isolates no one)
+                                # (its matmul, one pair; its start-up gets 4x) is faulty and
+                                # replaced before training. auto: on when nodes.max > 1. Two
+                                # nodes are judged by their matmuls and timeouts only (one
+                                # pair isolates neither)
     max_node_relaunches: 3      # replacements of dead nodes, for the whole job
     relaunch_delay_s: 2.0       # pause before a dead node is replaced
     rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
