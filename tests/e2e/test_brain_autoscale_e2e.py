@@ -43,6 +43,10 @@ class BrainJob(JobProcess):
                 "relaunch_delay_s": 0.5,
                 "rendezvous": {"last_call_timeout_s": 0.5},
                 "heartbeat": {"interval_s": 0.5, "timeout_s": 10},
+                # Scaled-in nodes would check themselves first, their helper
+                # pairs running beside the training whose throughput the
+                # brain measures here (tests/e2e/test_node_check.py tests it).
+                "node_check": {"enabled": False},
                 **settings,
             },
         )  # fmt: skip

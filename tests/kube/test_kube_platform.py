@@ -55,10 +55,13 @@ def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
 ) -> None:
     http_port = free_port()
     job = make_job(
-        ["--sleep-per-step", "0.02"], http={"host": "0.0.0.0", "port": http_port}
+        ["--sleep-per-step", "0.02"],
+        http={"host": "0.0.0.0", "port": http_port},
+        node_check={"enabled": True},
     ).start()
     wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")
     for name, pod in running_pods(api, namespace).items():
+        assert "--node-check" in pod.spec.containers[0].command
         labels = pod.metadata.labels
         assert labels["dlfleet.io/job"] == "kjob" and labels["dlfleet.io/role"] == "worker"
         assert name == f"kjob-node-{labels['dlfleet.io/node-index']}-0"
@@ -82,6 +85,10 @@ def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
         "prometheus.io/path": "/metrics",
         "prometheus.io/scheme": "http",
     }
+    job.wait_for(
+        lambda: all(n["check"]["rule"] == "healthy" for n in job.status()["nodes"]),
+        "every node's check healthy",
+    )
     job.succeed()
     job.check()
     assert job.worlds() == [2]

@@ -36,6 +36,7 @@ class FailureKind(enum.Enum):
     EVICTED = "evicted"
     HANG = "hang"
     LOST = "lost"
+    NODE_CHECK = "node_check"  # found slow or broken by its pre-flight check, before training
 
 
 class PlanKind(enum.Enum):

@@ -47,6 +47,7 @@ _FAILURE: dict[FailureKind, pb.BrainFailureKind.ValueType] = {
     FailureKind.EVICTED: pb.BRAIN_FAILURE_KIND_EVICTED,
     FailureKind.HANG: pb.BRAIN_FAILURE_KIND_HANG,
     FailureKind.LOST: pb.BRAIN_FAILURE_KIND_LOST,
+    FailureKind.NODE_CHECK: pb.BRAIN_FAILURE_KIND_NODE_CHECK,
 }
 _FAILURE_BACK = {v: k for k, v in _FAILURE.items()}
 _PLAN: dict[PlanKind, pb.PlanKind.ValueType] = {

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.core.liveness import LivenessSettings
+from dlfleet.master.core.node_check import NodeCheckSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
@@ -102,6 +103,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /metrics without the job token (everything else still needs it)",
     )
+    p.add_argument(
+        "--node-check-slow-factor",
+        type=float,
+        default=2.0,
+        help="pre-flight node check: a node slower than this x the median of the others is "
+        "faulty (default 2)",
+    )
+    p.add_argument(
+        "--node-check-timeout",
+        type=float,
+        default=30.0,
+        help="pre-flight node check: seconds each step of a node's check may take before the "
+        "node counts as hung (default 30)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument(
@@ -146,6 +161,7 @@ def _settings(args: argparse.Namespace) -> MasterSettings:
             heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000),
         ),
         rendezvous=args.rendezvous,
+        node_check=args.node_check,
     )
 
 
@@ -184,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             node_unit=args.node_unit,
             last_call_timeout_ms=int(args.last_call_timeout * 1000),
             join_timeout_ms=int(args.join_timeout * 1000),
+        )
+        args.node_check = NodeCheckSettings(
+            slow_factor=args.node_check_slow_factor,
+            step_timeout_ms=int(args.node_check_timeout * 1000),
+            expected_nodes=args.rendezvous.max_nodes,
         )
     except DlfleetError as exc:
         parser.error(str(exc))

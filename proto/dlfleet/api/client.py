@@ -34,6 +34,8 @@ from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
+    nodecheck_pb2,
+    nodecheck_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
     rendezvous_pb2,
@@ -155,6 +157,7 @@ class MasterClient:
         self._job = job_pb2_grpc.JobStub(self._channel)
         self._master = job_pb2_grpc.MasterStub(self._channel)
         self._checkpoints = checkpoint_pb2_grpc.CheckpointsStub(self._channel)
+        self._node_check = nodecheck_pb2_grpc.NodeCheckStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -332,6 +335,30 @@ class MasterClient:
     def checkpoint_status(self) -> checkpoint_pb2.CheckpointStatus:
         request = checkpoint_pb2.CheckpointStatusRequest()
         return self._call("Status", self._checkpoints.Status, request)
+
+    # ---------------------------------------------------------- node check
+
+    def node_check_begin(
+        self, node_id: str, incarnation: int, host: str
+    ) -> nodecheck_pb2.NodeCheckBeginResponse:
+        """This node starts its pre-flight check (its agent, before the check
+        process is up)."""
+        request = nodecheck_pb2.NodeCheckBeginRequest(
+            node_id=node_id, incarnation=incarnation, host=host
+        )
+        return self._call("Begin", self._node_check.Begin, request)
+
+    def node_check_next(
+        self, report: nodecheck_pb2.NodeCheckReport, timeout_s: float = 30.0
+    ) -> nodecheck_pb2.NodeCheckOrder:
+        """Report what the check process measured (or poll) and wait, a few
+        seconds at most, for its next order. Retrying is safe: a repeated
+        report changes nothing."""
+
+        def once() -> nodecheck_pb2.NodeCheckOrder:
+            return self._node_check.Next(report, timeout=timeout_s, metadata=self._metadata)
+
+        return self._with_retries("Next", once)
 
     # ----------------------------------------------------------------- job
 
@@ -564,9 +591,10 @@ class AgentSession:
 
     Heartbeats go up every `heartbeat_interval_s` and tell the master the
     agent is alive and not hung; events pushed by the master arrive on
-    `events`. If the stream breaks (master restart, network), it is reopened
-    with backoff; `broken` is set while it is down, and `closed_by_master`
-    when the master refused the session (this incarnation is no longer
+    `events`, but pairs to run for another node's check on `check_pairs`.
+    If the stream breaks (master restart, network), it is reopened with
+    backoff; `broken` is set while it is down, and `closed_by_master` when
+    the master refused the session (this incarnation is no longer
     registered).
     """
 
@@ -578,6 +606,8 @@ class AgentSession:
         self.incarnation = incarnation
         self.round = 0
         self.events: queue.Queue[rendezvous_pb2.SessionEvent] = queue.Queue()
+        # Pairs for late nodes' checks this node runs, whatever phase it is in.
+        self.check_pairs: queue.Queue[nodecheck_pb2.PairOrder] = queue.Queue()
         self.broken = threading.Event()
         self.closed_by_master = threading.Event()
         self.interval = heartbeat_interval_s
@@ -598,7 +628,10 @@ class AgentSession:
                 async for event in call:
                     attempt = 0
                     self.broken.clear()
-                    self.events.put(event)
+                    if event.HasField("node_check_pair"):
+                        self.check_pairs.put(event.node_check_pair)
+                    else:
+                        self.events.put(event)
                 # Ended without an error: the master stopped reading because a
                 # heartbeat was stale (this incarnation was dropped, say while
                 # its link was down), or it is going down. Reopen: a master

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf.descriptor import Descriptor
 
 from dlfleet.api.status_document import SCHEMA_PATH, status_document
-from dlfleet.api.v1 import checkpoint_pb2, job_pb2, rendezvous_pb2
+from dlfleet.api.v1 import checkpoint_pb2, job_pb2, nodecheck_pb2, rendezvous_pb2
 
 
 def schema() -> dict[str, Any]:
@@ -46,6 +46,23 @@ def full_status() -> job_pb2.JobStatus:
                 ),
                 detail="",
                 memory_bytes=1 << 33,
+                check=nodecheck_pb2.NodeCheckVerdict(
+                    node_id="node-0#2",
+                    faulty=True,
+                    rule="compute_slow",
+                    reason="matmul 30.0 ms, 3.0x the median 10.0 ms of the other nodes",
+                    slow_factor=2.0,
+                    compute_ms=30.0,
+                    compute_reference_ms=10.0,
+                    pairs=[
+                        nodecheck_pb2.PairMeasurement(
+                            peer="node-1#1", outcome="good", allreduce_ms=5.0
+                        )
+                    ],
+                    pair_reference_ms=5.0,
+                    took_ms=4_000,
+                    at_ms=1_800_000_000_000,
+                ),
             )
         ],
         datasets=[
@@ -104,6 +121,8 @@ def test_a_document_with_an_unknown_field_is_refused() -> None:
         ("DatasetProgress", job_pb2.DatasetProgress.DESCRIPTOR),
         ("FailureReport", rendezvous_pb2.FailureReport.DESCRIPTOR),
         ("CheckpointStatus", checkpoint_pb2.CheckpointStatus.DESCRIPTOR),
+        ("NodeCheckVerdict", nodecheck_pb2.NodeCheckVerdict.DESCRIPTOR),
+        ("PairMeasurement", nodecheck_pb2.PairMeasurement.DESCRIPTOR),
     ],
 )
 def test_the_schema_names_every_field_of_the_proto(

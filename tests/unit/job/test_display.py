@@ -1,9 +1,10 @@
 """The status block shows one line on in-memory checkpoints, only once there
-is one (committed in memory, or persisted)."""
+is one (committed in memory, or persisted), and why a node failed its node
+check."""
 
 from __future__ import annotations
 
-from dlfleet.api.v1 import checkpoint_pb2, job_pb2
+from dlfleet.api.v1 import checkpoint_pb2, job_pb2, nodecheck_pb2
 from dlfleet.master.job.display import format_bytes, status_lines
 
 
@@ -53,3 +54,13 @@ def test_sizes_read_in_binary_units() -> None:
         "5.0 MiB",
         "3.0 TiB",
     ]
+
+
+def test_a_node_that_failed_its_node_check_says_why() -> None:
+    verdict = nodecheck_pb2.NodeCheckVerdict(
+        node_id="node-2#1", faulty=True, rule="compute_slow", reason="matmul 30.0 ms, 3.0x"
+    )
+    job = job_pb2.JobStatus(
+        job_name="j", nodes=[job_pb2.NodeStatus(name="node-2", state="faulty", check=verdict)]
+    )
+    assert "  node-2: node check compute_slow: matmul 30.0 ms, 3.0x" in status_lines(job)

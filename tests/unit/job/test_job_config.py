@@ -110,6 +110,45 @@ def test_diagnosis_reaches_the_agents_as_flags(base: Path) -> None:
     assert config.diagnosis.rules[-1].name == "anything-else"
 
 
+def test_the_node_check_is_on_by_default_for_jobs_of_several_nodes(base: Path) -> None:
+    assert parse(base).agent_node_check_flags() == []  # one node: nothing to compare with
+    several = parse(base, nodes={"min": 1, "max": 2})
+    assert several.agent_node_check_flags() == ["--node-check"]
+    assert several.node_check.master_flags() == [
+        "--node-check-slow-factor", "2", "--node-check-timeout", "30",
+    ]  # fmt: skip
+    off = parse(base, nodes={"max": 4}, node_check={"enabled": False})
+    assert off.agent_node_check_flags() == []
+    forced = parse(base, node_check={"enabled": True, "slow_factor": 1.5, "timeout_s": 10})
+    assert forced.agent_node_check_flags() == ["--node-check"]
+    assert forced.node_check.master_flags()[1::2] == ["1.5", "10"]
+    config = agent_config.parse_args(
+        ["--node-check", "train.py"], {"DLFLEET_MASTER": "m:1", "DLFLEET_TOKEN": "t"}
+    )
+    assert config.node_check
+    environ = {"DLFLEET_MASTER": "m:1", "DLFLEET_TOKEN": "t", "DLFLEET_NODE_CHECK": "1"}
+    assert agent_config.parse_args(["train.py"], environ).node_check
+    assert not agent_config.parse_args(
+        ["train.py"], {**environ, "DLFLEET_NODE_CHECK": ""}
+    ).node_check
+
+
+@pytest.mark.parametrize(
+    ("check", "message"),
+    [
+        ({"slow_factor": 1.0}, "node_check.slow_factor: Input should be greater than 1"),
+        ({"enabled": "sometimes"}, "node_check.enabled"),
+        ({"timeout_s": 0}, "node_check.timeout_s: Input should be greater than or equal to 0.1"),
+        ({"pairs": 3}, "node_check.pairs: unknown setting"),
+    ],
+)
+def test_bad_node_check_settings_name_the_field(
+    base: Path, check: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        parse(base, node_check=check)
+
+
 def test_a_missing_required_field_is_named(base: Path) -> None:
     with pytest.raises(InvalidArgument, match="command: required"):
         parse_job_config({"name": "demo"}, base_dir=base)

@@ -14,7 +14,8 @@ What it reports, from the master's status and the platform:
   since the round began), re-reported every few seconds as the round goes on;
 - node samples: each running node's CPU, RSS, memory limit, samples/s and
   step time;
-- failures: node exits (lost, OOM-killed, evicted) and worker failures the
+- failures: node exits (lost, OOM-killed, evicted), nodes their pre-flight
+  check found slow or broken (with its verdict), and worker failures the
   agents reported (crash, or hang from the step watchdog).
 
 The brain's run of a job is `<name>-<run id>`, the run id kept in the
@@ -301,6 +302,15 @@ class BrainLink:
                     step_time_s=m.step_time_ms / 1000,
                 )
             )
+
+    def node_check_failed(self, node: Node, why: str) -> None:
+        """A node its pre-flight check found slow or broken: remembered as a
+        failure of that kind, with the numbers (`dlbrain report` counts them)."""
+        if self.reporter is None:
+            return
+        self.reporter.report_failure(
+            FailureRecord(node.name, FailureKind.NODE_CHECK, now_ms(), exit_code=6, message=why)
+        )
 
     def node_ended(self, node: Node, code: int, reason: str, lost: bool) -> None:
         if self.reporter is None:

@@ -84,6 +84,9 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
                 f"  {node.name}: {m.samples_per_second:.1f} samples/s | step "
                 f"{m.step_time_ms:.0f} ms | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
             )
+        elif node.state == "faulty" and node.check.faulty:
+            check = node.check
+            lines.append(f"  {node.name}: node check {check.rule}: {check.reason[:140]}")
     checkpoints = checkpoint_line(status.checkpoints) if status.HasField("checkpoints") else None
     if checkpoints is not None:
         lines.append(f"  {checkpoints}")

@@ -17,6 +17,15 @@
       rules: []                 # the job at once, a hardware fault replaces the node,
                                 # ...; `rules` (same form) are tried first; enabled:
                                 # false restarts in place whatever happened
+    node_check:                 # the pre-flight node check: before a node first trains,
+      enabled: auto             # it times a matmul and all-reduces in pairs with other
+      slow_factor: 2.0          # nodes (re-paired so a bad node is isolated, not its
+      timeout_s: 30             # partner); a node slower than slow_factor x the median of
+                                # the others, broken, or silent past timeout_s in a step
+                                # (its matmul, one pair; its start-up gets 4x) is faulty and
+                                # replaced before training. auto: on when nodes.max > 1. Two
+                                # nodes are judged by their matmuls and timeouts only (one
+                                # pair isolates neither)
     max_node_relaunches: 3      # replacements of dead nodes, for the whole job
     relaunch_delay_s: 2.0       # pause before a dead node is replaced
     rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
@@ -309,6 +318,22 @@ class DiagnosisConfig(_Strict):
         return []
 
 
+class NodeCheckConfig(_Strict):
+    enabled: Literal["auto"] | bool = "auto"
+    slow_factor: float = Field(default=2.0, gt=1.0, le=100.0)
+    timeout_s: float = Field(default=30.0, ge=0.1, le=3_600)
+
+    def active(self, nodes: NodesConfig) -> bool:
+        """Whether the job's nodes check: `auto` means when it can have several."""
+        return nodes.maximum > 1 if self.enabled == "auto" else bool(self.enabled)
+
+    def master_flags(self) -> list[str]:
+        return [
+            "--node-check-slow-factor", f"{self.slow_factor:g}",
+            "--node-check-timeout", f"{self.timeout_s:g}",
+        ]  # fmt: skip
+
+
 class JobConfig(_Strict):
     name: str
     platform: Literal["local", "kubernetes"] = "local"
@@ -321,6 +346,7 @@ class JobConfig(_Strict):
     max_restarts: int = Field(default=3, ge=0, le=1_000)
     step_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     diagnosis: DiagnosisConfig = DiagnosisConfig()
+    node_check: NodeCheckConfig = NodeCheckConfig()
     max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
     relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
     rendezvous: RendezvousConfig = RendezvousConfig()
@@ -403,6 +429,10 @@ class JobConfig(_Strict):
         if self.tls is None:
             return None
         return self.path(self.tls.ca_file or self.tls.cert_file)
+
+    def agent_node_check_flags(self) -> list[str]:
+        """The `dlworker` flag that turns the node check on, if it is."""
+        return ["--node-check"] if self.node_check.active(self.nodes) else []
 
     @property
     def script(self) -> str:

@@ -21,10 +21,12 @@ store. Every `POLL_S` it looks at the nodes that exited and decides:
   it has while they are at least `nodes.min`, and fails otherwise. A node lost
   `FAULTY_AFTER_LOSSES` times is marked faulty and replaced by a fresh node
   (a new name: on a cluster, another host) instead of relaunched again;
-- exit 4 (its agent diagnosed a hardware fault: dlfleet.api.diagnosis): the
-  node is marked faulty and a fresh node replaces it at once, while the
-  job's relaunches last; exit 5 (a worker killed for memory): relaunched as
-  an out-of-memory node is, with more memory where the platform sets limits;
+- exit 4 (its agent diagnosed a hardware fault: dlfleet.api.diagnosis) or 6
+  (its pre-flight node check found it slow or broken, before it trained):
+  marked faulty and replaced by a fresh node at once, while the job's
+  relaunches last, the reason (the rule, the numbers) logged; exit 5 (a worker
+  killed for memory): relaunched as an out-of-memory node is, with more memory
+  where the platform sets limits;
 - anything else (2: dlworker refused its flags): the job fails.
 
 The job succeeds when no node is active any more and at least one succeeded.
@@ -56,11 +58,13 @@ import grpc
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.api.v1.nodecheck_pb2 import NodeCheckVerdict
 from dlfleet.brain.records import PlanKind
 from dlfleet.master.job.brain_link import BrainLink
 from dlfleet.master.job.display import Display
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import (
+    EXIT_NODE_CHECK_FAILED,
     EXIT_NODE_FAULTY,
     EXIT_NODE_LOST,
     EXIT_OUT_OF_MEMORY,
@@ -167,6 +171,9 @@ class JobRunner:
         self.platform: Platform[Any] | None = None
         self.brain: BrainLink | None = None
         self.tally = SupervisorTally()  # for the master's /metrics
+        # The latest node check verdict of each node (by name), as the master
+        # gave it: kept here, where a master restart does not forget it.
+        self.checks: dict[str, NodeCheckVerdict] = {}
         self._interrupted = asyncio.Event()
 
     # ------------------------------------------------------------------ run
@@ -288,6 +295,14 @@ class JobRunner:
             self.master_up = True
         except DlfleetError:
             self.master_up = False
+        self._note_checks()
+
+    def _note_checks(self) -> None:
+        for verdict in self.view.node_checks:
+            name = verdict.node_id.rpartition("#")[0]
+            known = self.checks.get(name)
+            if known is None or known.at_ms <= verdict.at_ms:
+                self.checks[name] = verdict
 
     def _watch_master(self) -> None:
         """A master that died is started again at once, on the same address
@@ -404,9 +419,14 @@ class JobRunner:
         assert self.platform is not None
         how = describe_exit(code, reason)
         self.tally.node_exit(exit_reason(code, reason, node.state is NodeState.STOPPING))
+        checked = code == EXIT_NODE_CHECK_FAILED and not reason
+        check_failure = self._check_failure(node) if checked else ""
         if self.brain is not None and node.state is not NodeState.STOPPING and code != 0:
             lost = bool(reason) or code < 0 or code > 128 or code == EXIT_NODE_LOST
-            self.brain.node_ended(node, code, reason, lost)
+            if checked:
+                self.brain.node_check_failed(node, check_failure)
+            else:
+                self.brain.node_ended(node, code, reason, lost)
         if node.state is NodeState.STOPPING:
             node.state = NodeState.STOPPED
             _log.info("%s left as asked (%s)", node.name, how)
@@ -420,7 +440,12 @@ class JobRunner:
             self._finish(1, self._root_cause(node, how))
             return
         if code == EXIT_NODE_FAULTY and not reason:
-            self._replace_faulty(node, "its agent diagnosed a hardware fault")
+            report = self._last_failure(node.name, refresh=True)
+            rule = f" (rule {report.rule})" if report is not None and report.rule else ""
+            self._replace_faulty(node, f"its agent diagnosed a hardware fault{rule}")
+            return
+        if checked:
+            self._replace_faulty(node, check_failure)
             return
         if code == EXIT_OUT_OF_MEMORY and not reason:
             reason = REASON_OOM
@@ -470,31 +495,39 @@ class JobRunner:
         fresh one while relaunches last; else go on without it, or fail."""
         assert self.platform is not None
         node.state = NodeState.FAULTY
-        if self.client is not None:
-            with contextlib.suppress(DlfleetError):  # its report came before its exit
-                self.view = self.client.master_status()
-        report = self._last_failure(node.name)
-        rule = f" (rule {report.rule})" if report is not None and report.rule else ""
         active = len(self.platform.active)
         if active < self.target and self.relaunches_left > 0:
             self.relaunches_left -= 1
             fresh = self.platform.add_node()
             _log.warning(
-                "%s: %s%s: marked faulty, replaced at once by %s (%d relaunches left)",
-                node.name, why, rule, fresh.name, self.relaunches_left,
+                "%s: %s: marked faulty, replaced at once by %s (%d relaunches left)",
+                node.name, why, fresh.name, self.relaunches_left,
             )  # fmt: skip
             return
         if active >= self.config.nodes.min:
-            _log.warning(
-                "%s: %s%s: marked faulty; going on with %d nodes", node.name, why, rule, active
-            )
+            _log.warning("%s: %s: marked faulty; going on with %d nodes", node.name, why, active)
             return
         self._finish(
             1,
-            f"{node.name}: {why}{rule}, and no relaunch is left to replace it "
+            f"{node.name}: {why}, and no relaunch is left to replace it "
             f"(max_node_relaunches={self.config.max_node_relaunches}); "
             f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}",
         )
+
+    def _check_failure(self, node: Node) -> str:
+        """Why `node` failed its node check, in words, with the numbers."""
+        self._refresh_now()  # its verdict came before its exit
+        verdict = self.checks.get(node.name)
+        if verdict is None or not verdict.faulty:
+            return "failed its pre-flight node check"
+        return f"failed its pre-flight node check (rule {verdict.rule}): {verdict.reason}"
+
+    def _refresh_now(self) -> None:
+        """The master's view, at once (from the event loop: a short call)."""
+        if self.client is not None:
+            with contextlib.suppress(DlfleetError):
+                self.view = self.client.master_status()
+            self._note_checks()
 
     def _memory_after(self, node: Node) -> int | None:
         """The memory limit for a node relaunched after running out of it:
@@ -515,10 +548,7 @@ class JobRunner:
     def _root_cause(self, node: Node, how: str) -> str:
         """The last failure its agent reported: rank, exit, traceback."""
         assert self.platform is not None
-        assert self.client is not None
-        with contextlib.suppress(DlfleetError):  # its report came before its exit
-            self.view = self.client.master_status()
-        report = self._last_failure(node.name)
+        report = self._last_failure(node.name, refresh=True)  # it came before its exit
         hint = self.platform.log_hint(node)
         if report is None:
             return f"{node.name}: its workers failed ({how}); {hint}"
@@ -536,7 +566,11 @@ class JobRunner:
             f"({hint})"
         )
 
-    def _last_failure(self, node_name: str | None = None) -> rendezvous_pb2.FailureReport | None:
+    def _last_failure(
+        self, node_name: str | None = None, refresh: bool = False
+    ) -> rendezvous_pb2.FailureReport | None:
+        if refresh:
+            self._refresh_now()
         for report in reversed(self.view.failures):
             if node_name is None or report.node_id.rpartition("#")[0] == node_name:
                 return report
@@ -602,6 +636,8 @@ class JobRunner:
                 if report is not None and node.active:
                     entry.node_id = report.node_id
                     entry.metrics.CopyFrom(report.metrics)
+                if node.name in self.checks:
+                    entry.check.CopyFrom(self.checks[node.name])
                 status.nodes.append(entry)
         done = sum(ds.records_done for ds in view.datasets)
         remaining = sum(ds.records_total - ds.records_done for ds in view.datasets)

@@ -73,6 +73,7 @@ class SupervisedMaster:
             "--node-unit", str(config.rendezvous.node_unit),
             "--last-call-timeout", str(config.rendezvous.last_call_timeout_s),
             "--join-timeout", str(config.rendezvous.join_timeout_s),
+            *config.node_check.master_flags(),
         ]  # fmt: skip
         if config.tls is not None:
             command += ["--tls-cert", str(config.path(config.tls.cert_file))]

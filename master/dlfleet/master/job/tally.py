@@ -17,6 +17,7 @@ from collections import Counter
 
 from dlfleet.api.v1 import job_pb2
 from dlfleet.master.job.platform import (
+    EXIT_NODE_CHECK_FAILED,
     EXIT_NODE_FAULTY,
     EXIT_NODE_LOST,
     EXIT_OUT_OF_MEMORY,
@@ -48,6 +49,8 @@ def exit_reason(code: int, reason: str, asked_to_leave: bool) -> str:
         return "lost"
     if code == EXIT_NODE_FAULTY:
         return "faulty"
+    if code == EXIT_NODE_CHECK_FAILED:
+        return "node_check_failed"
     if code == EXIT_OUT_OF_MEMORY:
         return "out_of_memory"
     if code == EXIT_PREEMPTED:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
 from dlfleet.api.v1 import rendezvous_pb2
@@ -53,6 +53,8 @@ class Membership:
         self._timer_kick = asyncio.Event()
         # Set while the master shuts down: sessions ending then are not deaths.
         self.stopping = False
+        # Told of every node lost, after the cores above (the node check's board).
+        self.lost_listeners: list[Callable[[str], Awaitable[None]]] = []
 
     async def apply(self, events: list[RendezvousEvent]) -> None:
         """Persist rendezvous events and carry out what follows from them."""
@@ -108,6 +110,8 @@ class Membership:
         # Before the survivors hear of it: their restore must not be sent to it.
         await self.images_lost(node_id)
         await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()))
+        for listener in self.lost_listeners:
+            await listener(node_id)
 
     async def images_lost(self, node_id: str) -> None:
         """The node's agent is gone, and the checkpoint images in its memory

@@ -134,6 +134,15 @@ class MasterMetrics:
             "(a new round restarts workers too: see rendezvous_rounds_formed)",
             ["reason"], registry=reg,
         )  # fmt: skip
+        self._node_checks = Counter(
+            "dlfleet_node_checks", "Pre-flight node check verdicts, by verdict and rule",
+            ["verdict", "rule"], registry=reg,
+        )  # fmt: skip
+        self._node_check_seconds = Histogram(
+            "dlfleet_node_check_duration_seconds",
+            "From a node's check beginning to its verdict",
+            buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300), registry=reg,
+        )  # fmt: skip
         # A shard event's type -> the counter of its kind, by dataset.
         self._shard_counters: dict[type[Event], Counter] = {
             LeaseGranted: Counter(
@@ -202,6 +211,10 @@ class MasterMetrics:
         self._child(self._worker_failures, label).inc()
         if report.restarting:
             self._child(self._worker_restarts, label).inc()
+
+    def node_checked(self, rule: str, faulty: bool, seconds: float) -> None:
+        self._child(self._node_checks, "faulty" if faulty else "healthy", rule).inc()
+        self._node_check_seconds.observe(seconds)
 
     def shard_events(self, events: Sequence[Event]) -> None:
         for event in events:

@@ -34,6 +34,7 @@ from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
+    nodecheck_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
     rendezvous_pb2_grpc,
@@ -47,6 +48,7 @@ from dlfleet.master.service.checkpoint_service import CheckpointsService
 from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
+from dlfleet.master.service.node_check_service import NodeCheckService
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Continuation, Durable, rpc, system_clock
 from dlfleet.master.service.state import MasterState
@@ -65,6 +67,7 @@ SERVICE_NAMES = (
     "dlfleet.api.v1.Rendezvous",
     "dlfleet.api.v1.Master",
     "dlfleet.api.v1.Checkpoints",
+    "dlfleet.api.v1.NodeCheck",
 )
 _HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
@@ -495,6 +498,8 @@ class MasterServer:
         checkpoint_pb2_grpc.add_CheckpointsServicer_to_server(
             CheckpointsService(self.state, durable), server
         )
+        node_check = NodeCheckService(self.state, self.clock, membership)
+        nodecheck_pb2_grpc.add_NodeCheckServicer_to_server(node_check, server)
         for add_service in self._extra_services:
             add_service(server)
         health_servicer = health.aio.HealthServicer()
@@ -530,6 +535,7 @@ class MasterServer:
         self.membership = membership
         self._ticker = asyncio.create_task(self._tick_forever())
         self._timer = asyncio.create_task(membership.run_timer())
+        self._check_timer = asyncio.create_task(node_check.run_timer())
         return self.port
 
     async def _tick_forever(self) -> None:
@@ -559,6 +565,7 @@ class MasterServer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._timer.cancel()
+            self._check_timer.cancel()
         if self.http is not None:
             await self.http.stop()
         if self._server is not None:

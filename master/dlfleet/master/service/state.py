@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ from dlfleet.master.core.checkpoints import CheckpointSettings, CheckpointTable
 from dlfleet.master.core.codec import dump_dataset, load_dataset
 from dlfleet.master.core.events import EVENT_TYPES, Event
 from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
+from dlfleet.master.core.node_check import NodeCheckBoard, NodeCheckSettings
 from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, RendezvousSettings
 from dlfleet.master.core.shards import ShardBook, ShardSettings
 from dlfleet.master.store.base import StateStore, StoreError
@@ -59,6 +61,7 @@ class MasterSettings:
     # A checkpoint report event holds a node's copies of one step (a few
     # hundred bytes); a snapshot holds `keep_steps` steps of every rank.
     checkpoints_compact_every: int = 2_000
+    node_check: NodeCheckSettings = field(default_factory=NodeCheckSettings)
 
 
 class MasterState:
@@ -72,6 +75,9 @@ class MasterState:
         # nodes as they register, so they start their workers warm. Not
         # journaled: after a master restart the next heartbeat says it again.
         self.restarts_in_place = False
+        # The pre-flight node check: in memory only, a fresh board (and id) per
+        # master process; nodes mid-check when the master restarts start over.
+        self.node_checks = NodeCheckBoard(settings.node_check, check_id=secrets.token_hex(6))
         self._store = store
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()

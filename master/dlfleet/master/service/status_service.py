@@ -1,9 +1,10 @@
 """The `Master` status service: what this master knows about the job (the
 active round, each dataset's progress over all epochs, the latest worker
-failures, the in-memory checkpoints), for the job's supervisor and its
-display. The supervisor's requests carry what only it sees (its running
-totals: brain plans, node exits, master restarts), handed to `on_supervisor`
-for /metrics.
+failures, the in-memory checkpoints, the node check verdicts), for the job's
+supervisor and its display. The supervisor's requests carry what only it
+sees (its running totals: brain plans, node exits, master restarts, handed to
+`on_supervisor` for /metrics; and its own status of the job, merged into
+/api/v1/status by `SupervisorView`).
 
 Lives in the master service process.
 """
@@ -59,6 +60,7 @@ def master_status(
         )
     status.failures.extend(failures)
     status.checkpoints.CopyFrom(wire.checkpoint_status_to_wire(state.checkpoints.status()))
+    status.node_checks.extend(wire.verdict_to_wire(v) for v in state.node_checks.verdicts.values())
     return status
 
 
@@ -95,6 +97,7 @@ def job_status(
         master_up=True,
     )
     reports = {report.node_id: report for report in view.nodes}
+    checks = {check.node_id: check for check in view.node_checks}
     ranks = global_ranks(state)
     for record in sorted(state.nodes.nodes.values(), key=lambda r: r.name):
         entry = job_pb2.NodeStatus(
@@ -107,6 +110,8 @@ def job_status(
         if report is not None:
             entry.metrics.CopyFrom(report.metrics)
             status.samples_per_second += report.metrics.samples_per_second
+        if record.node_id in checks:
+            entry.check.CopyFrom(checks[record.node_id])
         status.nodes.append(entry)
     if view.failures:
         status.last_failure.CopyFrom(view.failures[-1])

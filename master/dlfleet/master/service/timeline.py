@@ -1,7 +1,8 @@
 """The job's timeline as this master saw it, for `/api/v1/events`: rounds that
 formed and closed (and why), nodes that registered and were lost (and why),
-worker failures the agents reported (with their diagnosis), and, from the
-job's supervisor, the brain's plans and the nodes it retired as faulty.
+worker failures the agents reported (with their diagnosis), node check
+verdicts, and, from the job's supervisor, the brain's plans and the nodes it
+retired as faulty.
 
 Kept in memory, the newest `capacity` entries: it explains the recent past
 to a person or a dashboard, it is not a journal (the store is). Each entry has
@@ -27,6 +28,7 @@ class EventKind(enum.Enum):
     NODE_REGISTERED = "node_registered"
     NODE_LOST = "node_lost"
     WORKER_FAILED = "worker_failed"
+    NODE_CHECKED = "node_checked"  # a pre-flight node check's verdict, with its numbers
     # Seen by the job's supervisor, recorded when its status view brings them.
     BRAIN_PLAN = "brain_plan"
     NODE_RETIRED = "node_retired"  # marked faulty: replaced, never relaunched

@@ -10,7 +10,7 @@ Lives in the master service process.
 from __future__ import annotations
 
 from dlfleet.api.errors import InvalidArgument
-from dlfleet.api.v1 import checkpoint_pb2, shards_pb2
+from dlfleet.api.v1 import checkpoint_pb2, nodecheck_pb2, shards_pb2
 from dlfleet.master.core.checkpoint_events import ImageCopy
 from dlfleet.master.core.checkpoints import (
     CheckpointReport,
@@ -19,6 +19,17 @@ from dlfleet.master.core.checkpoints import (
     PersistedStep,
 )
 from dlfleet.master.core.datasets import DatasetConfig
+from dlfleet.master.core.node_check import (
+    CheckFailed,
+    ComputeDone,
+    ComputeOrder,
+    Order,
+    PairDone,
+    PairOrder,
+    Ready,
+    Result,
+)
+from dlfleet.master.core.node_check_verdict import Verdict
 from dlfleet.master.core.shards import (
     Answer,
     Consumer,
@@ -203,3 +214,80 @@ def checkpoint_status_to_wire(view: CheckpointStatusView) -> checkpoint_pb2.Chec
         persisted_step=view.persisted_step,
         persisted_path=view.persisted_path,
     )
+
+
+# ---------------------------------------------------------------- node check
+
+MAX_CHECK_ERROR = 2_000
+
+
+def check_result_from_wire(report: nodecheck_pb2.NodeCheckReport) -> Result:
+    which = report.WhichOneof("result")
+    if which == "ready":
+        return Ready()
+    if which == "compute":
+        if not report.compute.best_ms >= 0:
+            raise InvalidArgument(f"compute.best_ms must be >= 0, got {report.compute.best_ms}")
+        return ComputeDone(report.compute.best_ms, report.compute.device[:100])
+    if which == "pair":
+        pair = report.pair
+        if not pair.allreduce_ms >= 0:
+            raise InvalidArgument(f"pair.allreduce_ms must be >= 0, got {pair.allreduce_ms}")
+        return PairDone(pair.pair, pair.ok, pair.allreduce_ms, pair.error[:MAX_CHECK_ERROR])
+    if which == "failed":
+        return CheckFailed(report.failed[:MAX_CHECK_ERROR] or "the check failed")
+    return None  # a poll
+
+
+def pair_order_to_wire(order: PairOrder, check_id: str) -> nodecheck_pb2.PairOrder:
+    return nodecheck_pb2.PairOrder(
+        pair=order.pair,
+        rank=order.rank,
+        peer=order.peer,
+        store_host=order.store_host,
+        store_port=order.store_port,
+        iterations=order.iterations,
+        numel=order.numel,
+        timeout_ms=order.timeout_ms,
+        backend=order.backend,
+        check_id=check_id,
+    )
+
+
+def verdict_to_wire(verdict: Verdict) -> nodecheck_pb2.NodeCheckVerdict:
+    return nodecheck_pb2.NodeCheckVerdict(
+        node_id=verdict.node_id,
+        faulty=verdict.faulty,
+        rule=verdict.rule.value,
+        reason=verdict.reason,
+        slow_factor=verdict.slow_factor,
+        compute_ms=verdict.compute_ms,
+        compute_reference_ms=verdict.compute_reference_ms,
+        pairs=[
+            nodecheck_pb2.PairMeasurement(
+                peer=p.peer,
+                outcome=p.outcome.value,
+                allreduce_ms=p.allreduce_ms,
+                error=p.error,
+                helper=p.helper,
+            )
+            for p in verdict.pairs
+        ],
+        pair_reference_ms=verdict.pair_reference_ms,
+        took_ms=verdict.took_ms,
+        at_ms=verdict.at_ms,
+        measure_ms=verdict.measure_ms,
+    )
+
+
+def check_order_to_wire(seq: int, order: Order, check_id: str) -> nodecheck_pb2.NodeCheckOrder:
+    answer = nodecheck_pb2.NodeCheckOrder(order=seq, check_id=check_id)
+    if isinstance(order, ComputeOrder):
+        answer.compute.CopyFrom(nodecheck_pb2.ComputeOrder(size=order.size, repeats=order.repeats))
+    elif isinstance(order, PairOrder):
+        answer.pair.CopyFrom(pair_order_to_wire(order, check_id))
+    elif isinstance(order, Verdict):
+        answer.verdict.CopyFrom(verdict_to_wire(order))
+    else:
+        answer.wait.SetInParent()
+    return answer

@@ -58,6 +58,7 @@ STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
 SPARES_ENV = "DLFLEET_SPARES"
 DIAGNOSIS_ENV = "DLFLEET_DIAGNOSIS"
 DIAGNOSIS_RULES_ENV = "DLFLEET_DIAGNOSIS_RULES"
+NODE_CHECK_ENV = "DLFLEET_NODE_CHECK"
 
 # `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
 # an explicit integer is never capped.
@@ -192,6 +193,9 @@ class AgentConfig:
     # What a worker failure's cause decides (dlfleet.api.diagnosis); the
     # restart-only table is torchrun's policy: restart in place, whatever it was.
     diagnosis: RuleTable = field(default_factory=default_table)
+    # The pre-flight node check before the node first trains (see
+    # `dlfleet.worker.agent.node_check`); the master judges and pairs the nodes.
+    node_check: bool = False
 
     def __post_init__(self) -> None:
         if not self.training_script:
@@ -352,6 +356,19 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "more diagnosis rules, tried before the shipped ones: a YAML/JSON list inline, "
             f"or a file holding one (env {DIAGNOSIS_RULES_ENV})"
+        ),
+    )
+    add(
+        "--node-check",
+        dest="node_check",
+        action="store_const",
+        const=True,
+        help=(
+            "before this node first trains, time a matmul on its device and all-reduces in "
+            "pairs with other nodes, as the master orders; a node the master finds slow "
+            "(slower than its slow factor x the median) or broken exits with code 6, to be "
+            f"replaced (env {NODE_CHECK_ENV}=1; dlmaster --job-config sets it by job.yaml "
+            "node_check)"
         ),
     )
     add("training_script", help="the training script (or module, with -m), then its arguments")
@@ -522,6 +539,7 @@ def parse_args(
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
     step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
     spares = src.get("spares", "--spares", SPARES_ENV)
+    node_check = src.flag("node_check", "--node-check", NODE_CHECK_ENV)
     diagnosis = _diagnosis(
         src.get("diagnosis", "--diagnosis", DIAGNOSIS_ENV),
         src.get("diagnosis_rules", "--diagnosis-rules", DIAGNOSIS_RULES_ENV),
@@ -549,6 +567,7 @@ def parse_args(
         step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
         spares=_int(spares, 0) if spares else 1,
         diagnosis=diagnosis,
+        node_check=node_check,
     )
 
 

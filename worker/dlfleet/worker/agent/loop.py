@@ -2,6 +2,8 @@
 
 One state object per phase, advanced by `step()` (Ray Train's controller):
 
+    Checking -> Joining                                   (--node-check: healthy)
+             -> CheckFailed                               (found faulty: exit 6)
     Joining -> Running -> Succeeded                      (exit 0)
                        -> Restarting(failure) -> Joining (a worker failed: one
                                                           restart consumed)
@@ -24,6 +26,8 @@ diagnosed); exit 3 means the node could not take part (master unreachable,
 dropped for missed heartbeats, rendezvous timed out), so a platform may
 replace it; exit 4 means a hardware fault was diagnosed: replace the node,
 do not retry it; exit 5 means it ran out of memory: relaunch it with more;
+exit 6 means its pre-flight node check found it faulty (slow or broken,
+`node_check.py`) before it trained: replace it;
 exit 143 (128 + SIGTERM, as for any terminated process) means it left when
 told to: preempted, or scaled down. Only exit 0 says the work is done.
 
@@ -57,6 +61,7 @@ from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.keeper import CHECKPOINT_DIR_ENV, ImageKeeper
 from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.metrics import NodeSampler
+from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
 from dlfleet.worker.agent.workers import (
     GroupStatus,
@@ -65,6 +70,7 @@ from dlfleet.worker.agent.workers import (
     attempt_log_dir,
 )
 from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL
+from dlfleet.worker.nodecheck import EXIT_FAULTY
 from dlfleet.worker.progress import PROGRESS_ENV
 
 _log = logging.getLogger("dlworker")
@@ -95,6 +101,11 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE",
 
 
 @dataclass(frozen=True)
+class Checking:
+    """The pre-flight node check, before the node first joins."""
+
+
+@dataclass(frozen=True)
 class Joining:
     restart_count: int
 
@@ -121,6 +132,7 @@ EXIT_WORKERS_FAILED = 1
 EXIT_NODE_LOST = 3
 EXIT_NODE_FAULTY = 4  # diagnosed: a hardware fault, replace this node
 EXIT_OUT_OF_MEMORY = 5  # diagnosed: relaunch this node with more memory
+EXIT_NODE_CHECK_FAILED = EXIT_FAULTY  # 6: its node check found it slow or broken
 # The node's exit code for each diagnosis action that ends it.
 _EXIT_FOR = {
     Action.FAIL_JOB: EXIT_WORKERS_FAILED,
@@ -147,8 +159,16 @@ class Preempted:
     pass
 
 
-Phase = Joining | Running | Restarting | Rejoining | Succeeded | Failed | Preempted
-FINAL = (Succeeded, Failed, Preempted)
+@dataclass(frozen=True)
+class CheckFailed:
+    reason: str  # the master's verdict, with the numbers
+
+
+Phase = (
+    Checking | Joining | Running | Restarting | Rejoining | Succeeded | Failed | Preempted
+    | CheckFailed
+)  # fmt: skip
+FINAL = (Succeeded, Failed, Preempted, CheckFailed)
 
 
 def free_port(host: str) -> int:
@@ -190,13 +210,15 @@ class Agent:
         self._envs: list[dict[str, str]] = []
         self._spares_due = 0.0
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
+        self.helper: CheckHelper | None = None
+        self._warm_start_due = False
 
     # ---------------------------------------------------------------- life
 
     def run(self) -> int:
         """Run until the workers succeed (0), fail for good (1), the node is
-        lost to the job (3), diagnosed faulty (4) or out of memory (5), or the
-        agent is preempted (143)."""
+        lost to the job (3), diagnosed faulty (4) or out of memory (5), fails
+        its node check (6), or the agent is preempted (143)."""
         try:
             registered = self.client.register_node(
                 job_name=self.config.job_name,
@@ -211,20 +233,33 @@ class Agent:
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
         self.server, self.keeper = self._start_server()
-        phase: Phase = Joining(restart_count=0)
+        self.helper = CheckHelper(
+            self.session,
+            master=self.config.master,
+            token=self.config.token,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+        )
+        self.helper.start()
+        self._warm_start_due = registered.restarts_in_place and self.config.spares > 0
+        phase: Phase = Checking() if self.config.node_check else Joining(restart_count=0)
         try:
-            if registered.restarts_in_place and self.config.spares > 0:
+            if isinstance(phase, Joining) and self._warm_start_due:
                 self._warm_start()
             while not isinstance(phase, FINAL):
                 phase = self.step(phase)
         finally:
             self._stop_workers()
             self._leave(phase)
+            self.helper.close()
             self.orders.close()
             self.server.stop()
             self.keeper.close()
             self.session.close()
             self.client.close()
+        if isinstance(phase, CheckFailed):
+            _log.error("dlworker %s failed its node check: %s", self.node_id, phase.reason)
+            return EXIT_NODE_CHECK_FAILED
         if isinstance(phase, Failed):
             _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
             return phase.exit_code if phase.failure is not None else EXIT_NODE_LOST
@@ -235,6 +270,8 @@ class Agent:
     def step(self, phase: Phase) -> Phase:
         if self.preempted.is_set():
             return Preempted()
+        if isinstance(phase, Checking):
+            return self._check()
         if isinstance(phase, Joining):
             return self._join(phase)
         if isinstance(phase, Running):
@@ -245,6 +282,28 @@ class Agent:
             _log.info("re-rendezvous: %s", phase.reason)
             return Joining(phase.restart_count)
         raise AssertionError(f"no step from {phase}")
+
+    def _check(self) -> Phase:
+        """The pre-flight node check; then, healthy, the warm start (when the
+        job's workers restart in place) and the first join."""
+        outcome = run_check(
+            self.client,
+            token=self.config.token,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            host=self.host,
+            log_dir=self.log_dir,
+            stop=self.preempted,
+        )
+        if outcome is None:
+            return Preempted()
+        if outcome.lost:
+            return Failed(None, f"node check: {outcome.reason}", EXIT_NODE_LOST)
+        if not outcome.healthy:
+            return CheckFailed(outcome.reason)
+        if self._warm_start_due:
+            self._warm_start()
+        return Joining(restart_count=0)
 
     def _after_failure(self, phase: Restarting) -> Phase:
         """Diagnose the failure, report it, and act on the verdict: end the
@@ -651,7 +710,12 @@ class Agent:
             _log.warning("failure report not taken: %s", error)
 
     def _leave(self, phase: Phase) -> None:
-        reason = {Succeeded: "succeeded", Preempted: "preempted"}.get(type(phase), "failed")
+        reasons = {
+            Succeeded: "succeeded",
+            Preempted: "preempted",
+            CheckFailed: "failed its node check",
+        }
+        reason = reasons.get(type(phase), "failed")
         if not self.node_id:
             return
         try:

@@ -64,6 +64,7 @@ EXIT_WORKERS_FAILED = 1  # its training failed beyond its restarts
 EXIT_NODE_LOST = 3  # it lost the job: master unreachable, dropped, rendezvous timed out
 EXIT_NODE_FAULTY = 4  # its agent diagnosed a hardware fault: replace the node
 EXIT_OUT_OF_MEMORY = 5  # its agent diagnosed a worker killed for memory
+EXIT_NODE_CHECK_FAILED = 6  # its pre-flight node check found it slow or broken
 EXIT_PREEMPTED = 128 + 15  # SIGTERM from outside
 
 

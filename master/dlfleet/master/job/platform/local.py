@@ -153,6 +153,7 @@ class LocalPlatform(Platform[LocalNode]):
         if config.step_timeout_s is not None:
             command += ["--step-timeout", str(config.step_timeout_s)]
         command += config.diagnosis.agent_flags()
+        command += config.agent_node_check_flags()
         if config.module:
             command.append("--module")
         return [*command, config.script, *config.args]

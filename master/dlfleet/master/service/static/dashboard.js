@@ -566,6 +566,11 @@ function describe(e) {
       return ["Brain plan", e.plan || "", "brain_plan"];
     case "node_retired":
       return [`${e.node} retired as faulty`, e.detail || "replaced by a fresh node", "node_lost"];
+    case "node_checked":
+      if (e.verdict === "faulty") {
+        return [`${e.node_id} failed its node check`, `${e.rule}: ${e.reason || ""}`, "node_lost"];
+      }
+      return [`${e.node_id} passed its node check`, `${(e.took_ms / 1000).toFixed(1)} s · ${e.reason || ""}`, "node_registered"];
     default:
       return [e.kind, "", ""];
   }
