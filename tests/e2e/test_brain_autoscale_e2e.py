@@ -45,7 +45,7 @@ class BrainJob(JobProcess):
                 "heartbeat": {"interval_s": 0.5, "timeout_s": 10},
                 # Scaled-in nodes would check themselves first, their helper
                 # pairs running beside the training whose throughput the
-                # brain measures here (tests/e2e/test_node_check.py tests it).
+                # brain measures here (tests/e2e/test_node_check_e2e.py tests it).
                 "node_check": {"enabled": False},
                 **settings,
             },

@@ -56,7 +56,7 @@ class LedgerJob(JobProcess):
                 "rendezvous": {"last_call_timeout_s": 0.5},
                 "heartbeat": {"interval_s": 0.5, "timeout_s": 10},
                 # The data is small: a replacement that checks itself first
-                # (seconds; tests/e2e/test_node_check.py) could find it done
+                # (seconds; tests/e2e/test_node_check_e2e.py) could find it done
                 # before the world grows back.
                 "node_check": {"enabled": False},
                 **settings,

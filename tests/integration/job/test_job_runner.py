@@ -75,7 +75,7 @@ class Job(JobProcess):
                 "rendezvous": {"last_call_timeout_s": 0.3},
                 "heartbeat": {"interval_s": 0.5, "timeout_s": 5},
                 # These scripts need no torch, and the job logic is what is
-                # timed: tests/e2e/test_node_check.py runs the node check.
+                # timed: tests/e2e/test_node_check_e2e.py runs the node check.
                 "node_check": {"enabled": False},
                 **settings,
             },
