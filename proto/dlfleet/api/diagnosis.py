@@ -4,8 +4,10 @@ The rules are data (`diagnosis_rules.yaml` beside this file, versioned; a
 job adds its own from job.yaml, tried first). `diagnose(facts, table)` is a
 pure function of what the agent knows about one failure: the exit code or
 signal, the error file's message and traceback, the tail of stderr, whether
-the kernel's OOM killer struck, whether the step watchdog fired, and the
-exception of this node's previous failure.
+the kernel's OOM killer struck, whether the step watchdog fired, the
+exception of this node's previous failure, how many of the node's ranks
+failed with the same exception, and whether the node ever got past its first
+training step.
 The first rule whose every condition holds decides; the table always ends
 with a rule that matches anything, so every failure gets exactly one verdict.
 
@@ -69,6 +71,23 @@ class FailureFacts:
     oom_killed: bool = False
     hung: bool = False
     previous_exception: str = ""  # `exception_signature` of this node's previous failure
+    # The most training steps a rank of this node reported before the failure
+    # (over all its attempts); None: unknown (the script reports no progress).
+    steps: int | None = None
+    ranks: int = 1  # the node's local ranks
+    ranks_alike: int = 1  # of them, those that failed with this same exception
+
+    @property
+    def before_first_step(self) -> bool | None:
+        """Whether no rank of the node ever finished a training step (None:
+        unknown). `ShardedDataLoader` counts a step when it hands out a batch,
+        so one step counted means the first is still under way."""
+        return None if self.steps is None else self.steps <= 1
+
+    @property
+    def every_rank(self) -> bool:
+        """Every local rank (two or more) failed with the same exception."""
+        return self.ranks >= 2 and self.ranks_alike >= self.ranks and bool(self.signature)
 
     @property
     def exception(self) -> str:
@@ -82,11 +101,7 @@ class FailureFacts:
     @property
     def signature(self) -> str:
         """The exception and the first line of its message: equal for a repeat."""
-        for text in (self.traceback, self.message, self.stderr_tail):
-            line = _exception_line(text)
-            if line:
-                return line[:300]
-        return ""
+        return exception_signature(self.traceback, self.message, self.stderr_tail)
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,8 @@ class Conditions:
     oom_killed: bool | None = None
     hung: bool | None = None
     repeated: bool | None = None
+    before_first_step: bool | None = None
+    every_rank: bool | None = None
 
     def hold(self, facts: FailureFacts) -> bool:
         if self.text and not _any_found(self.text, facts):
@@ -114,8 +131,12 @@ class Conditions:
             (self.oom_killed, facts.oom_killed),
             (self.hung, facts.hung),
             (self.repeated, bool(facts.signature) and facts.signature == facts.previous_exception),
+            (self.every_rank, facts.every_rank),
         )
-        return all(wanted is None or wanted == actual for wanted, actual in flags)
+        if not all(wanted is None or wanted == actual for wanted, actual in flags):
+            return False
+        # Unknown (a script that reports no steps) holds neither way.
+        return self.before_first_step is None or self.before_first_step == facts.before_first_step
 
 
 @dataclass(frozen=True)
@@ -202,7 +223,7 @@ def rule_to_json(rule: Rule) -> dict[str, Any]:
     for key in ("exception", "signal", "exit_code"):
         if getattr(c, key):
             when[key] = list(getattr(c, key))
-    for key in ("oom_killed", "hung", "repeated"):
+    for key in _FLAGS:
         if getattr(c, key) is not None:
             when[key] = getattr(c, key)
     return {
@@ -211,6 +232,16 @@ def rule_to_json(rule: Rule) -> dict[str, Any]:
         "action": rule.action.value,
         "when": when,
     }
+
+
+def exception_signature(*texts: str) -> str:
+    """The first of `texts` that names an exception: its line, as Python
+    printed it (the exception and its message), at most 300 characters."""
+    for text in texts:
+        line = _exception_line(text)
+        if line:
+            return line[:300]
+    return ""
 
 
 def exception_name(text: str) -> str:
@@ -222,7 +253,8 @@ def exception_name(text: str) -> str:
 # ------------------------------------------------------------------ parsing
 
 _KEYS = {"name", "category", "action", "when"}
-_WHEN_KEYS = {"text", "exception", "signal", "exit_code", "oom_killed", "hung", "repeated"}
+_FLAGS = ("oom_killed", "hung", "repeated", "before_first_step", "every_rank")
+_WHEN_KEYS = {"text", "exception", "signal", "exit_code", *_FLAGS}
 
 
 def _parse_rule(item: Any, where: str) -> Rule:
@@ -265,7 +297,7 @@ def _conditions(when: Mapping[str, Any], where: str) -> Conditions:
     ):
         raise RuleError(f"{where}: `exit_code` must be a list of integers, got {codes!r}")
     flags: dict[str, bool | None] = {}
-    for key in ("oom_killed", "hung", "repeated"):
+    for key in _FLAGS:
         value = when.get(key)
         if value is not None and not isinstance(value, bool):
             raise RuleError(f"{where}: `{key}` must be true or false, got {value!r}")

@@ -51,10 +51,19 @@ WORKER = textwrap.dedent(
             open(flaky, "w").close()
             raise RuntimeError("[gloo/tcp/pair.cc:534] Read error: Connection reset by peer")
     from dlfleet.worker import progress
+    progress.announce()  # as ShardedDataLoader does when it is made
+    if os.environ.get("FAIL_BEFORE_STEP"):
+        raise KeyError("label")  # a bug met before the first step
     deadline = time.monotonic() + float(os.environ.get("SECONDS_TO_RUN", "60"))
+    steps = 0
     while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
         time.sleep(0.05)
         progress.step(4)  # a "step" of 4 samples every 50 ms
+        steps += 1
+        if steps == 3:
+            open(os.path.join(out, me + ".stepped"), "w").close()
+        if os.path.exists(os.path.join(out, "every-rank-fails")):
+            raise ValueError("shapes (8,3) and (4,) not aligned")  # a bug on every rank
     """
 )
 
@@ -164,6 +173,28 @@ def test_an_import_error_fails_the_job_in_one_attempt(make_job: Any) -> None:
     reason = err[err.index("FAILED") :]
     assert "in round 1, diagnosed user_error (rule import-or-syntax-error)" in reason
     assert "ModuleNotFoundError: No module named 'dlfleet_no_such_module'" in reason
+    assert "restart 1 of 5" not in out + err
+
+
+def test_an_error_before_the_first_step_fails_the_job_in_one_attempt(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 1}, max_restarts=5)
+    code, out, err = job.start(env={"FAIL_BEFORE_STEP": "1"}).finish()
+    assert code == 1
+    reason = err[err.index("FAILED") :]
+    assert "diagnosed user_error (rule error-before-first-step)" in reason
+    assert "KeyError: 'label'" in reason
+    assert "restart 1 of 5" not in out + err
+
+
+def test_the_same_error_on_every_rank_fails_the_job_at_once(make_job: Any) -> None:
+    job = make_job(nodes={"min": 1, "max": 1}, nproc_per_node=2, max_restarts=5).start()
+    job.wait_for(lambda: len(list(job.out.glob("*.stepped"))) == 2, "both ranks past step 2")
+    (job.out / "every-rank-fails").write_text("")
+    code, out, err = job.finish()
+    assert code == 1
+    reason = err[err.index("FAILED") :]
+    assert "diagnosed user_error (rule same-error-on-every-rank)" in reason
+    assert "ValueError: shapes (8,3) and (4,) not aligned" in reason
     assert "restart 1 of 5" not in out + err
 
 

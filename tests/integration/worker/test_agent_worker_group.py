@@ -24,6 +24,7 @@ from dlfleet.worker.agent import workers as workers_module
 from dlfleet.worker.agent.config import AgentConfig, StreamSpec
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.workers import (
+    ALIKE_GRACE_S,
     GroupState,
     GroupStatus,
     WorkerGroup,
@@ -484,3 +485,48 @@ def test_a_worker_whose_agent_died_before_the_signal_was_armed_never_starts(
     command[command.index("1")] = agent_pid  # the agent is the parent: runs
     assert subprocess.run(command, check=False).returncode == 0
     assert marker.exists()
+
+
+def test_ranks_that_raise_alike_are_counted_after_a_short_wait(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    """Rank 1 raises at once, rank 0 the same exception 0.1 s later: the
+    group holds the failure back for the others (up to ALIKE_GRACE_S), so
+    the report says both ranks failed alike: the code, not the machine.
+    (The exception is read from the stderr logs: redirected here.)"""
+    path = script(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["LOCAL_RANK"] == "0":
+            time.sleep(0.1)
+        raise ValueError("shapes (8,3) and (4,) not aligned")
+        """,
+    )
+    start(group, config(path, redirects=StreamSpec.parse("2")), tmp_path)
+    state = until(group, GroupStatus.FAILED)
+    assert state.failure is not None and state.failure.ranks_alike == 2
+    assert "ValueError: shapes (8,3) and (4,) not aligned" in state.failure.message
+
+
+def test_a_rank_raising_alone_is_reported_after_the_short_wait(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    path = script(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["LOCAL_RANK"] == "1":
+            raise KeyError("label")
+        time.sleep(60)
+        """,
+    )
+    start(group, config(path, redirects=StreamSpec.parse("2")), tmp_path)
+    while group.poll().exit_codes[1] is None:
+        time.sleep(0.01)
+    exited = time.monotonic()
+    state = until(group, GroupStatus.FAILED)
+    waited = time.monotonic() - exited
+    assert state.failure is not None and state.failure.ranks_alike == 1
+    assert state.exit_codes == (None, 1)
+    assert ALIKE_GRACE_S - 0.05 <= waited < ALIKE_GRACE_S + 1.0

@@ -180,6 +180,94 @@ CASES: list[tuple[str, FailureFacts, str, Category, Action]] = [
         Action.RESTART,
     ),
     (
+        "every local rank raised the same exception",
+        FailureFacts(
+            exit_code=1,
+            traceback=traceback("ValueError: shapes (8,3) and (4,) not aligned"),
+            steps=40,
+            ranks=2,
+            ranks_alike=2,
+        ),
+        "same-error-on-every-rank",
+        Category.USER_ERROR,
+        Action.FAIL_JOB,
+    ),
+    (
+        "one rank of two raised: the machine's or the code's, not known yet",
+        FailureFacts(
+            exit_code=1,
+            traceback=traceback("ValueError: shapes (8,3) and (4,) not aligned"),
+            steps=40,
+            ranks=2,
+            ranks_alike=1,
+        ),
+        "anything-else",
+        Category.UNKNOWN,
+        Action.RESTART,
+    ),
+    (
+        "a single rank is not every rank",
+        FailureFacts(exit_code=1, traceback=traceback("KeyError: 'x'"), steps=40),
+        "anything-else",
+        Category.UNKNOWN,
+        Action.RESTART,
+    ),
+    (
+        "an exception before the first step finished",
+        FailureFacts(exit_code=1, traceback=traceback("KeyError: 'label'"), steps=1),
+        "error-before-first-step",
+        Category.USER_ERROR,
+        Action.FAIL_JOB,
+    ),
+    (
+        "an exception before any step",
+        FailureFacts(exit_code=1, traceback=traceback("FileNotFoundError: data.bin"), steps=0),
+        "error-before-first-step",
+        Category.USER_ERROR,
+        Action.FAIL_JOB,
+    ),
+    (
+        "steps not reported: before the first step is not known",
+        FailureFacts(exit_code=1, traceback=traceback("KeyError: 'label'"), steps=None),
+        "anything-else",
+        Category.UNKNOWN,
+        Action.RESTART,
+    ),
+    (
+        "network errors before the first step are the network's",
+        FailureFacts(
+            exit_code=1,
+            traceback=traceback("RuntimeError: Connection reset by peer"),
+            steps=0,
+            ranks=2,
+            ranks_alike=2,
+        ),
+        "network",
+        Category.NETWORK,
+        Action.RESTART,
+    ),
+    (
+        "the round ended under a loader before its first step: not the script's fault",
+        FailureFacts(
+            exit_code=1,
+            traceback=traceback(
+                "dlfleet.api.errors.StaleError: round 3 is over (the world is round 4)"
+            ),
+            steps=0,
+            previous_exception="dlfleet.api.errors.StaleError: round 3 is over",
+        ),
+        "master-unavailable-or-round-ended",
+        Category.NETWORK,
+        Action.RESTART,
+    ),
+    (
+        "killed before the first step is a kill",
+        FailureFacts(exit_code=-9, signal="SIGKILL", steps=0),
+        "killed",
+        Category.KILLED,
+        Action.RESTART,
+    ),
+    (
         "terminated",
         FailureFacts(exit_code=-15, signal="SIGTERM"),
         "preempted",
@@ -226,9 +314,17 @@ def test_every_shipped_rule_is_reached_by_some_case() -> None:
     text=st.text(max_size=200),
     flags=st.tuples(st.booleans(), st.booleans()),
     previous=st.text(max_size=40),
+    steps=st.none() | st.integers(0, 5),
+    ranks=st.tuples(st.integers(1, 4), st.integers(0, 4)),
 )
 def test_every_failure_gets_exactly_one_verdict_of_the_table(
-    exit_code: int, signal: str, text: str, flags: tuple[bool, bool], previous: str
+    exit_code: int,
+    signal: str,
+    text: str,
+    flags: tuple[bool, bool],
+    previous: str,
+    steps: int | None,
+    ranks: tuple[int, int],
 ) -> None:
     facts = FailureFacts(
         exit_code=exit_code,
@@ -238,6 +334,9 @@ def test_every_failure_gets_exactly_one_verdict_of_the_table(
         oom_killed=flags[0],
         hung=flags[1],
         previous_exception=previous,
+        steps=steps,
+        ranks=ranks[0],
+        ranks_alike=min(ranks),
     )
     verdict = diagnose(facts)
     assert verdict.rule in {rule.name for rule in default_table().rules}

@@ -2,7 +2,8 @@
 
 The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
 writes the process's step and sample counts into it (`"<steps> <samples>"`),
-at most every `MIN_INTERVAL_S`, which also sets its modification time. The
+at most every `MIN_INTERVAL_S` (the first two steps at once), which also
+sets its modification time. The
 agent's `--step-timeout` watchdog restarts the workers when a rank that has
 stepped at least once has not stepped for that long: a silent hang (a
 collective waiting forever, a deadlocked data pipeline) becomes a failure.
@@ -13,7 +14,8 @@ the master with its heartbeats (for the brain and the status display).
 epochs, for evaluation, a final checkpoint, or the process's teardown, which
 are not steps and may take longer than one.
 
-`ShardedDataLoader` calls `step()` for every batch it hands out and `idle()`
+`ShardedDataLoader` calls `announce()` when it is made, `step()` for every
+batch it hands out and `idle()`
 when an epoch's iteration ends; a script with another loader can call them
 itself. Without the variable (no agent), both do nothing.
 """
@@ -26,6 +28,9 @@ import time
 
 PROGRESS_ENV = "DLFLEET_PROGRESS_FILE"
 MIN_INTERVAL_S = 0.5
+# The first steps are written at once: whether a rank got past its first step
+# decides how its failure is diagnosed (an error before it is the script's).
+FIRST_STEPS_WRITTEN = 2
 
 _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
@@ -38,9 +43,13 @@ def step(samples: int = 0) -> None:
     # The clock first: this runs on every training step, and most calls
     # write nothing (reading the environment costs more than the clock).
     now = time.monotonic()
-    if now - _last[0] < MIN_INTERVAL_S:
+    if now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
         return
     _last[0] = now
+    _write()
+
+
+def _write() -> None:
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
@@ -50,6 +59,14 @@ def step(samples: int = 0) -> None:
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # a progress signal must never break training
+
+
+def announce() -> None:
+    """Tell the agent this process reports its steps, none yet (a file of
+    "0 0"): a failure before the first step is then known as such. The
+    watchdog starts timing at the first step, not here."""
+    if _counts[0] == 0:
+        _write()
 
 
 def read_counts(path: str) -> tuple[int, int] | None:

@@ -71,7 +71,7 @@ from dlfleet.worker.agent.workers import (
 )
 from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL
 from dlfleet.worker.nodecheck import EXIT_FAULTY
-from dlfleet.worker.progress import PROGRESS_ENV
+from dlfleet.worker.progress import PROGRESS_ENV, read_counts
 
 _log = logging.getLogger("dlworker")
 
@@ -210,6 +210,9 @@ class Agent:
         self._envs: list[dict[str, str]] = []
         self._spares_due = 0.0
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
+        # The most steps a rank of this node reported, over all its attempts
+        # (None: none reported any; for `before_first_step` rules).
+        self._steps_seen: int | None = None
         self.helper: CheckHelper | None = None
         self._warm_start_due = False
 
@@ -310,6 +313,7 @@ class Agent:
         node (the job fails, the node is replaced or relaunched bigger) or
         restart in place while restarts last."""
         failure = phase.failure
+        self._note_steps()
         facts = FailureFacts(
             exit_code=failure.exit_code,
             signal=failure.signal_name or "",
@@ -319,6 +323,9 @@ class Agent:
             oom_killed=failure.oom_killed,
             hung=failure.hung,
             previous_exception=self._previous_exception,
+            steps=self._steps_seen,
+            ranks=self.config.nproc_per_node,
+            ranks_alike=failure.ranks_alike,
         )
         verdict = diagnose(facts, self.config.diagnosis)
         self._previous_exception = facts.signature
@@ -653,6 +660,15 @@ class Agent:
             return
         self._sampled_at = time.monotonic()
         self.session.metrics = self.sampler.sample()
+        self._note_steps()
+
+    def _note_steps(self) -> None:
+        """Keep the most steps any rank reported (its progress file, which a
+        rank removes between epochs: read once per heartbeat and on failure)."""
+        for local_rank in range(self.config.nproc_per_node):
+            counts = read_counts(str(self.progress_dir / str(local_rank)))
+            if counts is not None:
+                self._steps_seen = max(self._steps_seen or 0, counts[0])
 
     def _hung_rank(self) -> WorkerFailure | None:
         """The watchdog: a rank that stepped once, then not for step_timeout."""
@@ -661,10 +677,14 @@ class Agent:
             return None
         now = time.time()
         for local_rank, pid in enumerate(self.group.pids):
-            try:
-                stalled = now - (self.progress_dir / str(local_rank)).stat().st_mtime
-            except FileNotFoundError:
+            path = self.progress_dir / str(local_rank)
+            counts = read_counts(str(path))
+            if counts is None or counts[0] == 0:
                 continue  # not trained yet: start-up has no step to time
+            try:
+                stalled = now - path.stat().st_mtime
+            except FileNotFoundError:
+                continue
             if stalled > timeout:
                 message = (
                     f"hung: no training step for {stalled:.1f}s "

@@ -34,6 +34,7 @@ with no error file but a stderr log gets the tail of that log as its message.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
+from dlfleet.api.diagnosis import exception_signature
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.processes import die_with_parent
 from dlfleet.worker.agent.config import AgentConfig, Std
@@ -60,6 +62,8 @@ MAX_REPORT_BYTES = 1 << 20
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 STDERR_TAIL_LINES = 20
 _STOP_POLL_S = 0.05
+# How long a rank's exception waits for the other ranks to fail alike (see poll).
+ALIKE_GRACE_S = 0.3
 
 
 class WorkerStartError(DlfleetError):
@@ -95,6 +99,7 @@ class WorkerFailure:
     stderr_tail: str = ""  # the end of its stderr log, when it has one
     oom_killed: bool = False  # the kernel's OOM killer struck on this node meanwhile
     hung: bool = False  # found by the step watchdog, not by its exit
+    ranks_alike: int = 1  # local ranks that failed with this same exception (itself included)
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,7 @@ class WorkerGroup:
         self._retired: list[_Worker] = []  # replaced by a spare; reaped at stop()
         self._started = False
         self._failure: WorkerFailure | None = None
+        self._first_failed_at: float | None = None  # monotonic: when a rank was first seen failed
         self._final: GroupState | None = None
         self._oom_kills_at_start = oom_kill_count()
 
@@ -367,6 +373,7 @@ class WorkerGroup:
     def begin_round(self) -> None:
         """The group goes on in a new round: earlier failures are history."""
         self._failure = None
+        self._first_failed_at = None
 
     def start(
         self,
@@ -458,8 +465,13 @@ class WorkerGroup:
         # sys.stdout was replaced by a text-only object: write to the fd itself.
         return os.fdopen(1 if name == "stdout" else 2, "wb", closefd=False)
 
-    def poll(self) -> GroupState:
-        """The group's state now; after `stop()`, the state it froze."""
+    def poll(self, *, wait_alike: bool = True) -> GroupState:
+        """The group's state now; after `stop()`, the state it froze.
+
+        A rank that failed with an exception while others still run is held
+        back for up to `ALIKE_GRACE_S` (`wait_alike`): ranks that raise the
+        same exception in the same step leave within moments of each other,
+        and every rank failing alike says the code is at fault, not the node."""
         if self._final is not None:
             return self._final
         if not self._started:
@@ -468,7 +480,19 @@ class WorkerGroup:
         if self._failure is None:
             failed = [w for w, code in zip(self._workers, codes, strict=True) if code]
             if failed:
-                self._failure = self._first_failure(failed)
+                failure = self._first_failure(failed)
+                if self._first_failed_at is None:
+                    self._first_failed_at = time.monotonic()
+                waiting = (
+                    wait_alike
+                    and failure.signal_name is None
+                    and bool(_said(failure))
+                    and any(code is None for code in codes)
+                    and time.monotonic() - self._first_failed_at < ALIKE_GRACE_S
+                )
+                if waiting:
+                    return GroupState(GroupStatus.RUNNING, codes)
+                self._failure = failure
         if self._failure is not None:
             return GroupState(GroupStatus.FAILED, codes, self._failure)
         if all(code == 0 for code in codes):
@@ -477,10 +501,13 @@ class WorkerGroup:
 
     def _first_failure(self, failed: Iterable[_Worker]) -> WorkerFailure:
         failures = [self._describe(w) for w in failed]
-        return min(
+        first = min(
             failures,
             key=lambda f: (f.timestamp if f.timestamp is not None else float("inf"), f.local_rank),
         )
+        said = _said(first)
+        alike = sum(1 for f in failures if said and _said(f) == said)
+        return dataclasses.replace(first, ranks_alike=max(1, alike))
 
     def _describe(self, worker: _Worker) -> WorkerFailure:
         code = worker.proc.returncode
@@ -524,7 +551,9 @@ class WorkerGroup:
     def _stop(self, timeout_s: float, status: GroupStatus | None) -> GroupState:
         if self._final is not None:
             return self._final
-        before = self.poll() if self._started else GroupState(GroupStatus.STOPPED, ())
+        before = (
+            self.poll(wait_alike=False) if self._started else GroupState(GroupStatus.STOPPED, ())
+        )
         self._signal_all(signal.SIGTERM)
         # A stopped (SIGSTOP, a debugger) worker would only see SIGTERM once
         # continued: continue it, or a hang costs the whole grace period.
@@ -599,3 +628,8 @@ def _have_live_members(groups: set[int], own_children: set[int]) -> bool:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(int(entry.name), os.WNOHANG)
     return alive
+
+
+def _said(failure: WorkerFailure) -> str:
+    """The exception a failed worker raised, as Python printed it ("" if none)."""
+    return exception_signature(failure.traceback or "", failure.message, failure.stderr_tail)

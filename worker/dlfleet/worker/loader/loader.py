@@ -122,6 +122,7 @@ class ShardedDataLoader:
         # Inside `dlfleet.elastic.run`: a loader belongs to one attempt (one
         # round); its lease thread and workers end with it.
         elastic.on_attempt_end(self.close)
+        progress.announce()  # steps are reported: an error before the first is the script's
 
     # ---------------------------------------------------------------- API
 
