@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 from harness import JobProcess, MasterProcess
 
+from dlfleet.master.job.brain_link import RUN_FILE
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 WORKER = textwrap.dedent(
@@ -102,9 +104,31 @@ def test_a_slow_node_is_found_and_replaced_before_it_trains(tmp_path: Path) -> N
         logged = stdout + stderr
         assert f"node-2: failed its pre-flight node check (rule {slow['rule']}): " in logged
         assert "marked faulty, replaced at once by node-3" in logged
+        assert_brain_remembers(job.root, slow["rule"])
         print(f"slow node found and replaced, 3 nodes training after {took:.1f}s")
     finally:
         job.kill()
+
+
+def assert_brain_remembers(root: Path, slow_rule: str) -> None:
+    """The brain keeps every node's check with its numbers (the straggler
+    detector reads them): `dlbrain report` lists them."""
+    brain_db = f"sqlite:///{root / '.dlfleet' / 'brain.db'}"
+    run = (root / ".dlfleet" / "check-job" / RUN_FILE).read_text().strip()
+    dlbrain = Path(sys.executable).parent / "dlbrain"
+    report = subprocess.run(
+        [str(dlbrain), "report", f"check-job-{run}", "--db", brain_db],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert report.returncode == 0, report.stderr
+    print(report.stdout)
+    listed = dict(re.findall(r"^  (node-\d): (.*)$", report.stdout, re.MULTILINE))
+    assert listed["node-2"].startswith(f"faulty ({slow_rule}); matmul"), report.stdout
+    healthy = {n for n, v in listed.items() if v.startswith("healthy;")}
+    assert healthy == {"node-0", "node-1", "node-3"}, report.stdout
 
 
 def test_an_agent_preempted_mid_check_exits_143_and_its_check_process_with_it(

@@ -92,6 +92,7 @@ class LocalBrain:
                     recent_samples=repo.node_samples(job, since_ms=now - horizon),
                     peak_rss_bytes=peak,
                     plans=plans,
+                    node_checks=repo.node_checks(job),
                 )
             decision = decide(context, self.settings)
             if decision.kind is PlanKind.NONE:
@@ -135,4 +136,5 @@ class LocalBrain:
             failures=self.repository.failure_counts(job),
             rounds=[RoundSpan(r.round, r.nodes, r.duration_s) for r in rounds],
             min_round_s=min_round_s(stored.info, self.settings.scaling.min_round_s),
+            node_checks=sorted(self.repository.node_checks(job).values(), key=lambda c: c.node),
         )

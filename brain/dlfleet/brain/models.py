@@ -37,6 +37,7 @@ from sqlalchemy.types import TypeEngine
 
 NAME_LENGTH = 255
 KIND_LENGTH = 16
+RULE_LENGTH = 64
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -139,6 +140,23 @@ class FailureRow(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     message: Mapped[str] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class NodeCheckRow(Base):
+    __tablename__ = "brain_node_checks"
+    __table_args__ = (Index(None, "job_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = _job_fk()
+    node: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    at: Mapped[datetime] = mapped_column(UtcDateTime)
+    faulty: Mapped[bool] = mapped_column(Boolean)
+    rule: Mapped[str] = mapped_column(String(RULE_LENGTH))
+    compute_ms: Mapped[float] = mapped_column(Double)
+    compute_reference_ms: Mapped[float] = mapped_column(Double)
+    pair_ms: Mapped[float] = mapped_column(Double)
+    pair_reference_ms: Mapped[float] = mapped_column(Double)
+    reason: Mapped[str] = mapped_column(Text)
 
 
 class PlanRow(Base):

@@ -181,6 +181,44 @@ class FailureRecord:
 
 
 @dataclass(frozen=True)
+class NodeCheckRecord:
+    """A node's pre-flight check, healthy or not, with the numbers that
+    decided: its matmul and best all-reduce times against the medians of the
+    other nodes' (0: not measured). The straggler detector remembers it."""
+
+    node: str
+    at_ms: int
+    faulty: bool
+    rule: str  # "healthy", "compute_slow", "pairs_slow", ...
+    compute_ms: float = 0.0
+    compute_reference_ms: float = 0.0
+    pair_ms: float = 0.0
+    pair_reference_ms: float = 0.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _name(self.node, "node name")
+        _non_negative(self.at_ms, "at_ms")
+        _name(self.rule, "node check rule", 64)
+        for name in ("compute_ms", "compute_reference_ms", "pair_ms", "pair_reference_ms"):
+            _finite(getattr(self, name), name)
+
+    @property
+    def slowdown(self) -> float:
+        """How many times slower than the others the check measured the node,
+        in compute or communication, whichever is worse (0: nothing compared)."""
+        ratios = [
+            mine / reference
+            for mine, reference in (
+                (self.compute_ms, self.compute_reference_ms),
+                (self.pair_ms, self.pair_reference_ms),
+            )
+            if mine > 0 and reference > 0
+        ]
+        return max(ratios, default=0.0)
+
+
+@dataclass(frozen=True)
 class MetricsBatch:
     """What one job measured since its last batch. `info` registers or updates
     the job; a job the brain does not know needs it."""
@@ -190,6 +228,7 @@ class MetricsBatch:
     rounds: Sequence[RoundMetrics] = ()
     samples: Sequence[NodeSample] = ()
     failures: Sequence[FailureRecord] = ()
+    node_checks: Sequence[NodeCheckRecord] = ()
 
     def __post_init__(self) -> None:
         _name(self.job, "job name")
@@ -200,7 +239,7 @@ class MetricsBatch:
             )
 
     def __len__(self) -> int:
-        return len(self.rounds) + len(self.samples) + len(self.failures)
+        return len(self.rounds) + len(self.samples) + len(self.failures) + len(self.node_checks)
 
 
 @dataclass(frozen=True)
@@ -318,3 +357,4 @@ class JobReport:
     failures: Mapping[FailureKind, int]
     rounds: Sequence[RoundSpan] = ()  # every round the job reported, oldest first
     min_round_s: float = 0.0  # the shortest round the optimizer counts
+    node_checks: Sequence[NodeCheckRecord] = ()  # each node's latest pre-flight check

@@ -79,7 +79,34 @@ def render_text(report: JobReport) -> str:
         for kind, count in sorted(report.failures.items(), key=lambda kv: kv[0].value)
     )
     lines += ["", f"failures: {failures or 'none'}"]
+    lines += _checks(report)
     return "\n".join(lines) + "\n"
+
+
+def _checks(report: JobReport) -> list[str]:
+    """Each node's pre-flight check: its numbers against the other nodes'."""
+    if not report.node_checks:
+        return []
+    lines = ["", "node checks (the latest per node; x = times the median of the others):"]
+    for check in report.node_checks:
+        measured = []
+        if check.compute_ms > 0:
+            ratio = (
+                f" ({check.compute_ms / check.compute_reference_ms:.2f}x)"
+                if check.compute_reference_ms > 0
+                else ""
+            )
+            measured.append(f"matmul {check.compute_ms:.1f} ms{ratio}")
+        if check.pair_ms > 0:
+            ratio = (
+                f" ({check.pair_ms / check.pair_reference_ms:.2f}x)"
+                if check.pair_reference_ms > 0
+                else ""
+            )
+            measured.append(f"all-reduce {check.pair_ms:.2f} ms{ratio}")
+        verdict = f"faulty ({check.rule})" if check.faulty else "healthy"
+        lines.append(f"  {check.node}: {verdict}; {', '.join(measured) or 'nothing measured'}")
+    return lines
 
 
 ROUNDS_LISTED = 8

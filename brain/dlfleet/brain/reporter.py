@@ -28,11 +28,18 @@ from dataclasses import dataclass
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument, NotFound
 from dlfleet.brain.api import BrainApi
-from dlfleet.brain.records import FailureRecord, JobInfo, MetricsBatch, NodeSample, RoundMetrics
+from dlfleet.brain.records import (
+    FailureRecord,
+    JobInfo,
+    MetricsBatch,
+    NodeCheckRecord,
+    NodeSample,
+    RoundMetrics,
+)
 
 _log = logging.getLogger(__name__)
 
-Record = RoundMetrics | NodeSample | FailureRecord
+Record = RoundMetrics | NodeSample | FailureRecord | NodeCheckRecord
 
 
 class Overflow(enum.Enum):
@@ -109,6 +116,9 @@ class BrainReporter:
 
     def report_failure(self, failure: FailureRecord) -> None:
         self._put(failure)
+
+    def report_node_check(self, check: NodeCheckRecord) -> None:
+        self._put(check)
 
     def update_job(self, info: JobInfo) -> None:
         """New info for the job (its status at the end, say); sent with the next batch."""
@@ -199,6 +209,7 @@ class BrainReporter:
                 rounds=[r for r in records if isinstance(r, RoundMetrics)],
                 samples=[r for r in records if isinstance(r, NodeSample)],
                 failures=[r for r in records if isinstance(r, FailureRecord)],
+                node_checks=[r for r in records if isinstance(r, NodeCheckRecord)],
             )
             try:
                 self.brain.persist(batch)

@@ -7,7 +7,7 @@ Invariants:
   raised and changed nothing. Database failures raise DatabaseError naming the
   URL without its password; unknown jobs and plans raise NotFound.
 - A round is keyed by (job, round number): a later report of a round replaces
-  the earlier one. Node samples and failures are appended.
+  the earlier one. Node samples, failures and node checks are appended.
 - Times go in and out as Unix milliseconds; the tables hold naive UTC.
 - Thread-safe: sessions come from the engine's pool, one per call.
 """
@@ -27,7 +27,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from dlfleet.api.errors import NotFound
 from dlfleet.brain import db, schema
 from dlfleet.brain.errors import DatabaseError
-from dlfleet.brain.models import FailureRow, JobRow, NodeSampleRow, PlanRow, RoundRow
+from dlfleet.brain.models import (
+    FailureRow,
+    JobRow,
+    NodeCheckRow,
+    NodeSampleRow,
+    PlanRow,
+    RoundRow,
+)
 from dlfleet.brain.optimizer.initial import JobHistory
 from dlfleet.brain.records import (
     Decision,
@@ -36,6 +43,7 @@ from dlfleet.brain.records import (
     JobInfo,
     JobStatus,
     MetricsBatch,
+    NodeCheckRecord,
     NodeSample,
     Plan,
     PlanId,
@@ -154,7 +162,7 @@ class Repository:
         """Forget the job and everything recorded about it."""
         with self._transaction(f"deleting job {name!r}") as session:
             job_id = _job_row(session, name).id
-            for table in (PlanRow, FailureRow, NodeSampleRow, RoundRow):
+            for table in (PlanRow, FailureRow, NodeCheckRow, NodeSampleRow, RoundRow):
                 session.execute(delete(table).where(table.job_id == job_id))
             session.execute(delete(JobRow).where(JobRow.id == job_id))
 
@@ -176,6 +184,10 @@ class Repository:
             if batch.failures:
                 session.execute(
                     insert(FailureRow), [_failure_row(job_id, f) for f in batch.failures]
+                )
+            if batch.node_checks:
+                session.execute(
+                    insert(NodeCheckRow), [_check_row(job_id, c) for c in batch.node_checks]
                 )
 
     def rounds(self, job: str) -> list[RoundMetrics]:
@@ -219,6 +231,17 @@ class Repository:
                 .order_by(FailureRow.at, FailureRow.id)
             )
             return [_failure_of(r) for r in rows]
+
+    def node_checks(self, job: str) -> dict[str, NodeCheckRecord]:
+        """Each node's latest pre-flight check."""
+        with self._transaction(f"reading the node checks of job {job!r}") as session:
+            job_id = _job_row(session, job).id
+            rows = session.scalars(
+                select(NodeCheckRow)
+                .where(NodeCheckRow.job_id == job_id)
+                .order_by(NodeCheckRow.at, NodeCheckRow.id)
+            )
+            return {row.node: _check_of(row) for row in rows}
 
     def failure_counts(self, job: str) -> dict[FailureKind, int]:
         with self._transaction(f"counting the failures of job {job!r}") as session:
@@ -433,6 +456,35 @@ def _failure_of(row: FailureRow) -> FailureRecord:
         at_ms=to_ms(row.at),
         exit_code=row.exit_code,
         message=row.message,
+    )
+
+
+def _check_row(job_id: int, c: NodeCheckRecord) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "node": c.node,
+        "at": to_datetime(c.at_ms),
+        "faulty": c.faulty,
+        "rule": c.rule,
+        "compute_ms": c.compute_ms,
+        "compute_reference_ms": c.compute_reference_ms,
+        "pair_ms": c.pair_ms,
+        "pair_reference_ms": c.pair_reference_ms,
+        "reason": c.reason,
+    }
+
+
+def _check_of(row: NodeCheckRow) -> NodeCheckRecord:
+    return NodeCheckRecord(
+        node=row.node,
+        at_ms=to_ms(row.at),
+        faulty=row.faulty,
+        rule=row.rule,
+        compute_ms=row.compute_ms,
+        compute_reference_ms=row.compute_reference_ms,
+        pair_ms=row.pair_ms,
+        pair_reference_ms=row.pair_reference_ms,
+        reason=row.reason,
     )
 
 

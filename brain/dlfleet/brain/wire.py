@@ -18,6 +18,7 @@ from dlfleet.brain.records import (
     JobReport,
     JobStatus,
     MetricsBatch,
+    NodeCheckRecord,
     NodeSample,
     OomRelaunch,
     Plan,
@@ -187,12 +188,41 @@ def failure_from_wire(m: pb.BrainFailure) -> FailureRecord:
     )
 
 
+def check_to_wire(c: NodeCheckRecord) -> pb.BrainNodeCheck:
+    return pb.BrainNodeCheck(
+        node=c.node,
+        time_unix_ms=c.at_ms,
+        faulty=c.faulty,
+        rule=c.rule,
+        compute_ms=c.compute_ms,
+        compute_reference_ms=c.compute_reference_ms,
+        pair_ms=c.pair_ms,
+        pair_reference_ms=c.pair_reference_ms,
+        reason=c.reason,
+    )
+
+
+def check_from_wire(m: pb.BrainNodeCheck) -> NodeCheckRecord:
+    return NodeCheckRecord(
+        node=m.node,
+        at_ms=m.time_unix_ms,
+        faulty=m.faulty,
+        rule=m.rule,
+        compute_ms=m.compute_ms,
+        compute_reference_ms=m.compute_reference_ms,
+        pair_ms=m.pair_ms,
+        pair_reference_ms=m.pair_reference_ms,
+        reason=m.reason,
+    )
+
+
 def batch_to_wire(batch: MetricsBatch) -> pb.PersistMetricsRequest:
     msg = pb.PersistMetricsRequest(
         job_name=batch.job,
         rounds=[round_to_wire(r) for r in batch.rounds],
         samples=[sample_to_wire(s) for s in batch.samples],
         failures=[failure_to_wire(f) for f in batch.failures],
+        node_checks=[check_to_wire(c) for c in batch.node_checks],
     )
     if batch.info is not None:
         msg.job.CopyFrom(job_to_wire(batch.info))
@@ -206,6 +236,7 @@ def batch_from_wire(msg: pb.PersistMetricsRequest) -> MetricsBatch:
         rounds=[round_from_wire(r) for r in msg.rounds],
         samples=[sample_from_wire(s) for s in msg.samples],
         failures=[failure_from_wire(f) for f in msg.failures],
+        node_checks=[check_from_wire(c) for c in msg.node_checks],
     )
 
 
@@ -303,6 +334,7 @@ def report_to_wire(report: JobReport) -> pb.BrainReport:
             for r in report.rounds
         ],
         min_round_s=report.min_round_s,
+        node_checks=[check_to_wire(c) for c in report.node_checks],
     )
 
 
@@ -325,4 +357,5 @@ def report_from_wire(msg: pb.BrainReport) -> JobReport:
         failures={_FAILURE_BACK[f.kind]: f.count for f in msg.failures if f.kind in _FAILURE_BACK},
         rounds=[RoundSpan(r.round, r.nodes, r.duration_s) for r in msg.rounds],
         min_round_s=msg.min_round_s,
+        node_checks=[check_from_wire(c) for c in msg.node_checks],
     )

@@ -22,6 +22,7 @@ from dlfleet.brain.records import (
     JobInfo,
     JobStatus,
     MetricsBatch,
+    NodeCheckRecord,
     NodeSample,
     PlanKind,
     RoundMetrics,
@@ -43,7 +44,14 @@ JOB = JobInfo(
     cpu_request=3.5,
     config={"image": "trainer:1", "args": ["--lr", 0.1]},
 )
-TABLES = {"brain_jobs", "brain_rounds", "brain_node_samples", "brain_failures", "brain_plans"}
+TABLES = {
+    "brain_jobs",
+    "brain_rounds",
+    "brain_node_samples",
+    "brain_failures",
+    "brain_plans",
+    "brain_node_checks",
+}
 
 
 def batch(**kwargs: object) -> MetricsBatch:
@@ -100,6 +108,15 @@ def test_samples_and_failures_are_appended_and_read_back_exactly(
     assert repository.failure_counts(JOB.name) == {FailureKind.OOM: 1, FailureKind.LOST: 1}
     assert repository.peak_rss(JOB.name) == 7 * GIB
     assert repository.peak_rss(JOB.name, "node-9") == 0
+
+
+def test_node_checks_are_kept_and_the_latest_per_node_read_back(repository: Repository) -> None:
+    first = NodeCheckRecord("node-1", T0, False, "healthy", 12.25, 10.0, 0.5, 0.5, "matmul ✓")
+    again = NodeCheckRecord("node-1", T0 + 9, True, "compute_slow", 31.5, 10.0, 0.0, 0.5, "slow")
+    other = NodeCheckRecord("node-0", T0 + 1, False, "healthy", 10.0, 12.25, 0.5, 0.5)
+    repository.persist(batch(node_checks=[first, other]), T0)
+    repository.persist(MetricsBatch(JOB.name, node_checks=[again]), T0)
+    assert repository.node_checks(JOB.name) == {"node-1": again, "node-0": other}
 
 
 def test_metrics_of_an_unknown_job_are_refused_and_change_nothing(
@@ -181,6 +198,7 @@ def test_deleting_a_job_deletes_its_records(repository: Repository) -> None:
             rounds=[RoundMetrics(1, 1, 1, T0, T0, 1.0)],
             samples=[NodeSample("a", 1, T0)],
             failures=[FailureRecord("a", FailureKind.HANG, T0)],
+            node_checks=[NodeCheckRecord("a", T0, False, "healthy")],
         ),
         T0,
     )

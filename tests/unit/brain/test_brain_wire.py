@@ -16,6 +16,7 @@ from dlfleet.brain.records import (
     JobReport,
     JobStatus,
     MetricsBatch,
+    NodeCheckRecord,
     NodeSample,
     OomRelaunch,
     Plan,
@@ -71,11 +72,27 @@ jobs = st.builds(
         st.none() | st.integers(-(2**31), 2**31 - 1),
         st.text(max_size=50),
     ),
+    check=st.builds(
+        NodeCheckRecord,
+        names,
+        ms,
+        st.booleans(),
+        st.sampled_from(["healthy", "compute_slow", "pairs_failed"]),
+        rates,
+        rates,
+        rates,
+        rates,
+        st.text(max_size=50),
+    ),
 )
 def test_a_batch_round_trips(
-    job: JobInfo, round_: RoundMetrics, sample: NodeSample, failure: FailureRecord
+    job: JobInfo,
+    round_: RoundMetrics,
+    sample: NodeSample,
+    failure: FailureRecord,
+    check: NodeCheckRecord,
 ) -> None:
-    batch = MetricsBatch(job.name, job, [round_], [sample], [failure])
+    batch = MetricsBatch(job.name, job, [round_], [sample], [failure], [check])
     raw = wire.batch_to_wire(batch).SerializeToString()
     assert wire.batch_from_wire(brain_pb2.PersistMetricsRequest.FromString(raw)) == batch
 
@@ -100,6 +117,7 @@ def test_plans_requests_and_reports_round_trip() -> None:
     report = JobReport(
         job, 1, 2, [SizeThroughput(2, 8, 3, 10.0, 1.0)], [plan], {FailureKind.OOM: 2},
         rounds=[RoundSpan(1, 2, 75.5), RoundSpan(2, 2, 12.0)], min_round_s=60.0,
+        node_checks=[NodeCheckRecord("n1", 3, False, "healthy", 10.5, 10.0, 0.8, 0.75, "ok")],
     )  # fmt: skip
     assert wire.report_from_wire(wire.report_to_wire(report)) == report
 

@@ -6,7 +6,7 @@ the job measured and passes the time."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlfleet.brain.optimizer.initial import InitialSettings, JobHistory, initial_plan
@@ -21,6 +21,7 @@ from dlfleet.brain.optimizer.scaling import (
 from dlfleet.brain.optimizer.stragglers import StragglerSettings, find_straggler
 from dlfleet.brain.records import (
     Decision,
+    NodeCheckRecord,
     NodeSample,
     Plan,
     PlanKind,
@@ -48,6 +49,7 @@ class PlanContext:
     peak_rss_bytes: int = 0  # of the node being relaunched (else of the job), 0: unknown
     plans: Sequence[Plan] = ()  # this job's, oldest first
     history: Sequence[JobHistory] = ()  # earlier runs of the same signature
+    node_checks: Mapping[str, NodeCheckRecord] = field(default_factory=dict)  # latest per node
 
 
 def recently_replaced(plans: Sequence[Plan], since_ms: int) -> frozenset[str]:
@@ -74,6 +76,7 @@ def decide(ctx: PlanContext, settings: OptimizerSettings) -> Decision:
         ctx.now_ms,
         settings.stragglers,
         recently_replaced(ctx.plans, ctx.now_ms - horizon),
+        ctx.node_checks,
     )
     if straggler is not None:
         return straggler

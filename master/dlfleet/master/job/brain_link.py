@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dlfleet.api.errors import DlfleetError
-from dlfleet.api.v1 import job_pb2
+from dlfleet.api.v1 import job_pb2, nodecheck_pb2
 from dlfleet.brain.api import BrainApi, open_brain
 from dlfleet.brain.optimizer.initial import InitialSettings
 from dlfleet.brain.optimizer.planner import OptimizerSettings
@@ -49,6 +49,7 @@ from dlfleet.brain.records import (
     FailureRecord,
     JobInfo,
     JobStatus,
+    NodeCheckRecord,
     NodeSample,
     OomRelaunch,
     Plan,
@@ -302,6 +303,30 @@ class BrainLink:
                     step_time_s=m.step_time_ms / 1000,
                 )
             )
+
+    def node_checked(self, name: str, verdict: nodecheck_pb2.NodeCheckVerdict) -> None:
+        """Every node's pre-flight check, healthy or not, with its numbers:
+        the straggler detector remembers a node the check measured slow."""
+        if self.reporter is None:
+            return
+        pairs = [
+            p.allreduce_ms
+            for p in verdict.pairs
+            if p.outcome in ("good", "slow") and not p.helper and p.allreduce_ms > 0
+        ]
+        self.reporter.report_node_check(
+            NodeCheckRecord(
+                node=name,
+                at_ms=verdict.at_ms,
+                faulty=verdict.faulty,
+                rule=verdict.rule or "healthy",
+                compute_ms=verdict.compute_ms,
+                compute_reference_ms=verdict.compute_reference_ms,
+                pair_ms=min(pairs, default=0.0),
+                pair_reference_ms=verdict.pair_reference_ms,
+                reason=verdict.reason,
+            )
+        )
 
     def node_check_failed(self, node: Node, why: str) -> None:
         """A node its pre-flight check found slow or broken: remembered as a

@@ -301,8 +301,10 @@ class JobRunner:
         for verdict in self.view.node_checks:
             name = verdict.node_id.rpartition("#")[0]
             known = self.checks.get(name)
-            if known is None or known.at_ms <= verdict.at_ms:
+            if known is None or known.at_ms < verdict.at_ms:
                 self.checks[name] = verdict
+                if self.brain is not None:
+                    self.brain.node_checked(name, verdict)
 
     def _watch_master(self) -> None:
         """A master that died is started again at once, on the same address
