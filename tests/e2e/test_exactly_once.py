@@ -252,6 +252,43 @@ def test_a_node_killed_leaves_its_peer_restoring_from_memory_in_a_smaller_world(
     assert min(_restores_from_memory(report)) >= 10, report.restores
 
 
+def test_state_cut_among_a_nodes_ranks_restores_whole_after_rank_and_node_kills(
+    make_job: Any,
+) -> None:
+    """Two ranks per node and a 2 MiB replicated tensor in every save: each
+    rank's image holds half of it. A rank killed restores from its node's
+    images (its sibling's half too); a node killed leaves its peer restoring
+    from memory (the lost node's images live on as replicas). Every restore
+    checks the tensor is the one of its step; the ledger stays exact."""
+    job = make_job(
+        [
+            "--in-memory",
+            "--ballast-mb",
+            "2",
+            "--batch-size",
+            "1",  # four ranks: enough steps for both faults
+            "--crash-at-step",
+            "8",
+            "--crash-rank",
+            "1",
+            "--sleep-per-step",
+            "0.1",
+        ],
+        nproc_per_node=2,
+        relaunch_delay_s=2.0,
+        max_node_relaunches=1,
+    )
+    job.start()
+    job.wait_for(lambda: job.steps_logged() >= 4 * 25, "25 steps of 4 ranks")
+    os.kill(job.node_pid("node-1"), signal.SIGKILL)
+    job.succeed()
+    report = job.check()
+    restored = _restores_from_memory(report)
+    assert len(restored) >= 2 and min(restored) >= 6, report.restores
+    held = [json.loads(line) for line in (job.ledger / "ballast.jsonl").read_text().splitlines()]
+    assert held and {h["rows"] for h in held} == {128}, held  # half of 256 rows each
+
+
 def test_every_node_killed_restores_from_the_newest_persisted_step(make_job: Any) -> None:
     """The master and every node SIGKILLed: no image is left in any memory, so
     the job, started again, restores the newest step persisted to disk."""

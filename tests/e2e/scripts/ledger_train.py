@@ -68,6 +68,11 @@ restarted worker does not do it again):
 - `--sleep-per-step S`: a pause after each step, so a test can kill a node or
   an agent mid-epoch.
 
+`--ballast-mb N` (with `--in-memory`): the checkpoint also holds an N MiB
+tensor that is a function of the step (replicated: large enough that the
+Checkpointer cuts it among the ranks of a node); a restore checks it equals
+that function of the restored step, and fails the rank if not.
+
 `--report-progress`: call `dlfleet.worker.progress.step()` after every step
 and `idle()` when an epoch's iteration ends, for the agent's step watchdog
 (`dlworker --step-timeout`); the chaos bench uses it to hang a worker.
@@ -94,11 +99,13 @@ from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader
 from dlfleet.worker import elastic, progress
+from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 
 FEATURES = 4
 CHECKPOINT_FILE = "checkpoint.pt"
 RESTORE_LOG = "restores.jsonl"
+BALLAST_LOG = "ballast.jsonl"  # --ballast-mb: the rows of it each rank's image holds
 CRASH_MARKER = "crashed.marker"
 
 
@@ -142,6 +149,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--crash-point", choices=("logged", "trained", "unsaved"), default="logged")
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
+    parser.add_argument("--ballast-mb", type=int, default=0, help="--in-memory: see above")
     parser.add_argument("--knee", type=int, default=0, help="world size past which steps slow")
     parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
     parser.add_argument("--dataset-name", default="ledger-records")
@@ -230,6 +238,12 @@ class LedgerTrainer:
         self.step = 0
         self.steps_this_attempt = 0
 
+    def ballast(self) -> torch.Tensor:
+        """`--ballast-mb` MiB of float32, a function of the step."""
+        rows = 256
+        columns = self.args.ballast_mb * (1 << 20) // (4 * rows)
+        return torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns) + self.step
+
     def identity(self) -> dict[str, int]:
         return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
 
@@ -246,6 +260,8 @@ class LedgerTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.loader.load_state_dict(state["loader"])  # before the first iteration
             self.step = int(state["step"])
+            if self.args.ballast_mb and not torch.equal(state["ballast"], self.ballast()):
+                raise RuntimeError(f"the ballast restored with step {self.step} is not its own")
         if self.rank == 0:
             restore = {**self.identity(), "restored_step": self.step, "t": time.time()}
             append_line(self.args.ledger_dir / RESTORE_LOG, restore)
@@ -262,8 +278,14 @@ class LedgerTrainer:
                     "loader": self.loader.state_dict(),
                     "step": self.step,
                     "epoch": self.loader.epoch,
+                    **({"ballast": self.ballast()} if self.args.ballast_mb else {}),
                 },
             )
+            image = self.checkpointer.last_image
+            if self.args.ballast_mb and image is not None and self.steps_this_attempt == 0:
+                header = files.read_header(image.header_path)
+                (held,) = [i.chunk_sizes[0] for i in header.items if i.fqn == "ballast"]
+                append_line(self.args.ledger_dir / BALLAST_LOG, {"rank": self.rank, "rows": held})
             return
         if self.rank == 0 and not self.args.no_checkpoint:
             state = {

@@ -22,6 +22,7 @@ from dlfleet.worker.checkpoint.errors import (
 from dlfleet.worker.checkpoint.image import ImageWriter, LocalImage
 from dlfleet.worker.checkpoint.persist import (
     METADATA,
+    SHARDED,
     finish,
     load_persisted,
     load_persisted_full,
@@ -94,7 +95,8 @@ def test_a_folder_is_complete_only_once_every_rank_wrote_its_part(tmp_path: Path
     assert newest_persisted(root) is None
     folder = finish(step_folder(root, 1), world_size=2, round=4, timeout=1.0)
     assert newest_persisted(root) == (1, folder)
-    assert sorted(p.name for p in folder.iterdir()) == [METADATA, "__0_0.distcp", "__1_0.distcp"]
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [SHARDED, METADATA, "__0_0.distcp", "__1_0.distcp"]
     template: dict[str, Any] = {"w": torch.zeros(4, 3), "n": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -23,6 +23,12 @@ replicated state (DDP) comes from any one image, a sharded one (FSDP2
 DTensors) is resharded from the images of every saving rank, fetched from
 other nodes when needed; pass a template (`load(state)`) for sharded state.
 
+Striping (`stripe_replicated`, on by default): under an agent, a large plain
+tensor (replicated, as with DDP) is cut by rows among the ranks of a node, each
+rank copying one part: a save blocks 1/n as long with n ranks per node, and
+the node's memory holds one copy of the replicated state instead of n. The
+node's images together (and the peer's replica of them) hold it whole.
+
 Persistence: at the saves of steps that are multiples of `persist_every`
 and at `close()`, a background thread writes the image into `persist_dir/step-<N>/` in the
 torch.distributed.checkpoint format (readable by `dcp.load`). While a step is
@@ -65,6 +71,7 @@ from dlfleet.worker.checkpoint.image import (
     ImageSource,
     ImageWriter,
     LocalImage,
+    Stripe,
 )
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
@@ -101,6 +108,7 @@ class Checkpointer:
         persist_dir: str | Path | None = None,
         keep_persisted: int = 2,
         commit_wait_s: float = 2.0,
+        stripe_replicated: bool = True,
     ) -> None:
         if persist_every < 0:
             raise ValueError(f"persist_every must be >= 0 (0: never), got {persist_every}")
@@ -111,6 +119,7 @@ class Checkpointer:
         self.persist_dir = Path(persist_dir) if persist_dir is not None else default_root
         self.keep_persisted = keep_persisted
         self.commit_wait_s = commit_wait_s
+        self.stripe_replicated = stripe_replicated
         self.saves = 0
         self.blocked_s = 0.0  # time save() kept the training step waiting, in total
         shared = os.environ.get(CHECKPOINT_DIR_ENV)
@@ -162,7 +171,10 @@ class Checkpointer:
         self._wait_for_commit(self._last_saved)
         with self._lock:
             protect = self._persisting if self._persisting is not None else self._committed
-        image = writer.write(step, state, round=round_, world_size=world, protect=protect)
+        stripe = self._stripe(rank, world)
+        image = writer.write(
+            step, state, round=round_, world_size=world, protect=protect, stripe=stripe
+        )
         self._last_saved = step
         self._last_image = image
         self.saves += 1
@@ -171,6 +183,22 @@ class Checkpointer:
             self._notices.put(image)
         if self.persist_every and step % self.persist_every == 0:
             self._persist(image)
+
+    @property
+    def last_image(self) -> ImageFile | None:
+        """Where the newest save of this process put its image (None before one)."""
+        return self._last_image
+
+    def _stripe(self, rank: int, world: int) -> Stripe | None:
+        """This rank's place on its node, when large replicated tensors are cut
+        among the node's ranks: under an agent (which keeps every image of the
+        node), with every node the same size."""
+        if not self.stripe_replicated or self._private:
+            return None
+        local_rank, local_world = _local_context()
+        if local_world < 2 or world % local_world or rank % local_world != local_rank:
+            return None
+        return Stripe(local_rank, local_world)
 
     def _writer_for(self, rank: int) -> ImageWriter:
         if self._writer is None or self._writer.rank != rank:
@@ -518,6 +546,14 @@ def _context() -> tuple[int, int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), round_
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), round_
+
+
+def _local_context() -> tuple[int, int]:
+    """(local rank, local world size) of this process now."""
+    attempt = elastic.current()
+    if attempt is not None:
+        return attempt.local_rank, attempt.local_world_size
+    return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _restore(

@@ -4,7 +4,14 @@ The state dict is planned with DCP's own `DefaultSavePlanner`, locally and with
 no collective: nested dicts are flattened the DCP way, plain tensors are whole
 chunks, DTensors their local shard at its global offsets, anything else a
 torch.save blob. Every rank keeps its own copy of replicated values; a restore
-picks one, a persist writes only the `primary` one.
+picks one, a persist writes only the `primary` one. Striped (`stripe`: this
+rank's place among the ranks of its node), a large plain tensor is cut by rows
+among the node's ranks instead: each keeps one part, so a save copies 1/n of
+the replicated state per rank, and the node's images together hold it whole
+(a restore reads the parts like DTensor shards; the agent keeps, and
+replicates to a peer, every image of its node). DCP's own view of plain
+tensors is that they are replicated; one that differs by rank (an RNG state)
+is small, and small tensors are never cut.
 
 Invariants of `ImageWriter` (see `files` for the layout):
 - a slot holding the step named `protect` is never touched;
@@ -49,6 +56,8 @@ from dlfleet.worker.checkpoint.structure import with_skeleton
 
 StateDict = dict[str, Any]
 
+# A plain tensor this large is cut among the ranks of a node when striping.
+STRIPE_MIN_BYTES = 1 << 20
 _GROWTH = 1 / 8  # spare room when a slot grows, so that small blobs can grow in place
 # Of the widest element (complex128); Python's bytes and bytearray data are 16-aligned.
 _ELEMENT_ALIGNMENT = 16
@@ -82,6 +91,21 @@ def dtype_of(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """This rank's place among the ranks of its node (their global ranks are
+    consecutive), for cutting large plain tensors among them."""
+
+    local_rank: int
+    local_world: int
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """This rank's rows [start, end) of `total`, as torch.chunk would cut them."""
+        per = -(-total // self.local_world)
+        start = min(total, self.local_rank * per)
+        return start, min(total, start + per)
 
 
 @dataclass(frozen=True)
@@ -200,14 +224,22 @@ class ImageWriter:
         round: int,
         world_size: int,
         protect: int | None,
+        stripe: Stripe | None = None,
     ) -> ImageFile:
-        """Copy `state_dict` into the slot not holding step `protect`; return where it is."""
+        """Copy `state_dict` into the slot not holding step `protect`; return
+        where it is. With `stripe`, large plain tensors are cut among the
+        node's ranks (see the module's doc)."""
         if step < 0 or round < 0:
             raise ValueError(f"step and round must be >= 0, got step {step}, round {round}")
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {world_size}")
         index = self._choose_slot(step, protect)
-        planned, paths = _plan(with_skeleton(materialize(state_dict)), self.rank)
+        if stripe is not None and not (
+            0 <= stripe.local_rank < stripe.local_world <= world_size
+            and world_size % stripe.local_world == 0
+        ):
+            raise ValueError(f"{stripe} does not fit a world of {world_size}")
+        planned, paths = _plan(with_skeleton(materialize(state_dict)), self.rank, stripe)
         nbytes = max(
             (p.record.offset + p.record.length for p in planned), default=files.PREAMBLE_BYTES
         )
@@ -372,7 +404,9 @@ class BytesImage(_BufferImage):
         return None  # the bytes are ours
 
 
-def _plan(state_dict: StateDict, rank: int) -> tuple[list[_Planned], dict[str, files.ObjectPath]]:
+def _plan(
+    state_dict: StateDict, rank: int, stripe: Stripe | None = None
+) -> tuple[list[_Planned], dict[str, files.ObjectPath]]:
     """DCP's local save plan of `state_dict`, laid out in a body: tensors first, then blobs."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=rank == 0)
@@ -397,7 +431,12 @@ def _plan(state_dict: StateDict, rank: int) -> tuple[list[_Planned], dict[str, f
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor)
             data = tensor
-            record = _tensor_record(item, data, offset, _is_primary(flat[item.index.fqn], rank))
+            value = flat[item.index.fqn]
+            cut = _cut(item, tensor, stripe) if not isinstance(value, DTensor) else None
+            if cut is not None:
+                data, record = cut[0], _striped_record(item, cut[0], offset, cut[1], rank, stripe)
+            else:
+                record = _tensor_record(item, data, offset, _is_primary(value, rank))
         planned.append(_Planned(record, data))
         offset = _round_up(offset + record.length, files.ALIGNMENT)
     paths = {fqn: tuple(path) for fqn, path in (plan.planner_data or {}).items()}
@@ -424,6 +463,48 @@ def _tensor_record(item: WriteItem, data: torch.Tensor, offset: int, primary: bo
         size=tuple(meta.size),
         chunk_offsets=tuple(meta.chunk.offsets),
         chunk_sizes=tuple(meta.chunk.sizes),
+        requires_grad=meta.properties.requires_grad,
+    )
+
+
+def _cut(
+    item: WriteItem, tensor: torch.Tensor, stripe: Stripe | None
+) -> tuple[torch.Tensor, int] | None:
+    """This rank's rows of a large plain tensor, and where they start; None
+    when it is kept whole (no striping, small, or too few rows)."""
+    if (
+        stripe is None
+        or stripe.local_world < 2
+        or item.type != WriteItemType.TENSOR
+        or tensor.dim() == 0
+        or tensor.shape[0] < stripe.local_world
+        or tensor.numel() * tensor.element_size() < STRIPE_MIN_BYTES
+    ):
+        return None
+    start, end = stripe.rows(tensor.shape[0])
+    return tensor.narrow(0, start, end - start), start
+
+
+def _striped_record(
+    item: WriteItem, part: torch.Tensor, offset: int, start: int, rank: int, stripe: Stripe | None
+) -> ItemRecord:
+    """The record of this rank's rows of a plain tensor: a chunk, like a
+    shard's; the first node's parts are the ones a persist writes."""
+    assert stripe is not None
+    meta = item.tensor_data
+    assert meta is not None  # DCP sets it for tensor items
+    if part.device.type == "meta":
+        raise CheckpointError(f"{item.index.fqn} is a meta tensor: it has no data to save")
+    return ItemRecord(
+        fqn=item.index.fqn,
+        kind=ItemKind.TENSOR,
+        offset=offset,
+        length=part.numel() * part.element_size(),
+        primary=rank < stripe.local_world,
+        dtype=dtype_name(meta.properties.dtype),
+        size=tuple(meta.size),
+        chunk_offsets=(start, *([0] * (part.dim() - 1))),
+        chunk_sizes=tuple(part.shape),
         requires_grad=meta.properties.requires_grad,
     )
 

@@ -15,6 +15,7 @@ world and writes `.metadata` last, by rename. Invariant: a folder with
 from __future__ import annotations
 
 import io
+import json
 import math
 import pickle
 import shutil
@@ -65,6 +66,9 @@ from dlfleet.worker.checkpoint.structure import reshape
 
 # DCP's name for a checkpoint's metadata file (torch's filesystem._metadata_fn, private).
 METADATA = ".metadata"
+# Which tensors of a dlfleet folder are DTensor shards (the others, even in
+# several chunks, are plain tensors cut among a node's ranks: see image.Stripe).
+SHARDED = ".dlfleet-sharded"
 _PREFIX = "step-"
 
 
@@ -133,6 +137,8 @@ def finish(
         sleep(poll)
     headers = [parts[r][0] for r in range(world_size)]
     metadata = _metadata(headers, folder)
+    sharded = sorted({i.fqn for h in headers for i in h.items if i.kind is ItemKind.SHARD})
+    (folder / SHARDED).write_text(json.dumps(sharded))
     writer = FileSystemWriter(folder)
     writer.set_up_storage_writer(True)
     writer.finish(metadata, [parts[r][1] for r in range(world_size)])
@@ -160,8 +166,14 @@ def load_persisted(state_dict: dict[str, Any], path: Path) -> None:
 def load_persisted_full(path: Path) -> dict[str, Any]:
     """The saved nested state dict of a persisted folder, when no tensor in it is sharded."""
     _, metadata = _open(path)
+    try:
+        sharded: set[str] | None = set(json.loads((path / SHARDED).read_text()))
+    except (OSError, ValueError):
+        sharded = None  # not written by dlfleet: every chunked tensor may be a shard
     for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata) and not _whole(md):
+        if not isinstance(md, TensorStorageMetadata) or _whole(md):
+            continue
+        if sharded is None or fqn in sharded:
             raise TemplateRequiredError(
                 f"{path}: {fqn!r} is stored in {len(md.chunks)} shards: pass a template "
                 "state dict (e.g. from get_state_dict) to load_persisted instead"
