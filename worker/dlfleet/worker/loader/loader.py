@@ -48,7 +48,7 @@ from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.worker import elastic, progress
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
-from dlfleet.worker.loader.indexing import PositionIndexer
+from dlfleet.worker.loader.indexing import OrderedDataset, PositionIndexer, PositionOrder
 from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
 from dlfleet.worker.loader.streams import EpochStream, LeasedStream, LocalStream
 
@@ -100,7 +100,7 @@ class ShardedDataLoader:
         self._client: MasterClient | None = None
         self._registered = False
         self._pending_restore: shards_pb2.DatasetSnapshot | None = None
-        self._permutation: tuple[int, PositionIndexer] | None = None
+        self._permutation: tuple[int, PositionOrder] | None = None
         self.stream: EpochStream
         if self.mode is LoaderMode.LOCAL:
             self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
@@ -217,10 +217,16 @@ class ShardedDataLoader:
         runs = batch.rank_ranges(self._rank, self._world)
         return self._indexer(batch.epoch).ranges(runs)
 
-    def _indexer(self, epoch: int) -> PositionIndexer:
+    def _indexer(self, epoch: int) -> PositionOrder:
         if self._permutation is None or self._permutation[0] != epoch:
-            perm = EpochPermutation(self.size, self.seed, epoch, self.shuffle)
-            self._permutation = (epoch, PositionIndexer(perm))
+            order: PositionOrder
+            if isinstance(self.dataset, OrderedDataset):
+                # A file catalog reads blocks of files in order: its own
+                # block-level shuffle (see files/order.py).
+                order = self.dataset.epoch_order(self.seed, epoch, self.shuffle)
+            else:
+                order = PositionIndexer(EpochPermutation(self.size, self.seed, epoch, self.shuffle))
+            self._permutation = (epoch, order)
         return self._permutation[1]
 
     def _start(self) -> EpochStream:
