@@ -234,10 +234,12 @@ class FileCatalog(Dataset[Any]):
             raise CatalogError(
                 f"{entry.url}: the file is gone since the catalog counted it"
             ) from None
-        if int(info.get("size") or 0) != entry.size:
+        size, version = _identity(info)
+        if (size, version) != (entry.size, entry.version):
             raise CatalogError(
                 f"{entry.url}: the file changed since the catalog counted it "
-                f"({entry.size} bytes then, {info.get('size')} now); rebuild the catalog"
+                f"({entry.size} bytes, version {entry.version!r} then; {size} bytes, "
+                f"version {version!r} now); build the catalog again"
             )
         handle: IO[bytes] = fs.open(path, "rb")
         self._handles[f] = handle
@@ -334,6 +336,12 @@ def _count_all(
         return tuple(f.result() for f in futures)
 
 
+def _identity(info: dict[str, Any]) -> tuple[int, str]:
+    """(size, version) of a file as its file system describes it."""
+    version = info.get("mtime") or info.get("ETag") or info.get("LastModified") or ""
+    return int(info.get("size") or 0), str(version)
+
+
 def _count(
     url: str, reader: RecordReader, block: int, cache_dir: Path, options: dict[str, Any]
 ) -> CatalogFile:
@@ -342,8 +350,7 @@ def _count(
         info = fs.info(path)
     except FileNotFoundError:
         raise CatalogError(f"{url}: no such file") from None
-    size = int(info.get("size") or 0)
-    version = str(info.get("mtime") or info.get("ETag") or info.get("LastModified") or "")
+    size, version = _identity(info)
     key = json.dumps([url, size, version, reader.key, block])
     cached = cache_dir / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
     try:
