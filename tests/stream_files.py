@@ -82,7 +82,7 @@ class _RangeHandler(SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def send_head(self) -> Any:  # type: ignore[override]
+    def send_head(self) -> Any:
         spec = self.headers.get("Range")
         if not spec or not spec.startswith("bytes="):
             return super().send_head()

@@ -4,24 +4,33 @@ exactly the records of the files it names; bad input fails with a clear error.""
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stream_files import FORMATS, http_server, record_id, write, write_catalog
 
-from dlfleet import FileCatalog, FixedRecords, FunctionReader, JsonLines
-from dlfleet.worker.loader.files import CatalogError, WebDatasetSamples
+from dlfleet.worker.loader.files import (
+    CatalogError,
+    FileCatalog,
+    FixedRecords,
+    FunctionReader,
+    JsonLines,
+    RecordReader,
+    WebDatasetSamples,
+)
+from dlfleet.worker.loader.files.readers import Scan
 
 
-def catalog(paths: list[Path], cache: Path, **options: object) -> FileCatalog:
-    reader = FixedRecords(2, "int64") if paths[0].suffix == ".bin" else "auto"
-    return FileCatalog([str(p) for p in paths], reader, cache_dir=cache, **options)  # type: ignore[arg-type]
+def catalog(paths: list[Path], cache: Path, **options: Any) -> FileCatalog:
+    reader: RecordReader | str = FixedRecords(2, "int64") if paths[0].suffix == ".bin" else "auto"
+    return FileCatalog([str(p) for p in paths], reader, cache_dir=cache, **options)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -61,7 +70,7 @@ def test_leased_ranges_of_a_random_catalog_read_each_record_exactly_once(
         size = len(cat)
         edges = sorted({0, size, *(c % (size + 1) for c in cuts)})
         read: list[int] = []
-        for a, b in zip(edges, edges[1:], strict=False):  # a lease each
+        for a, b in itertools.pairwise(edges):  # a lease each
             read += [record_id(r) for r in cat.__getitems__(order.ranges([(a, b)]))]
         assert sorted(read) == ids
         cat.close()
@@ -72,7 +81,7 @@ def test_counts_are_cached_and_a_second_catalog_reads_no_file_to_count(tmp_path:
     scans: list[str] = []
 
     class Counting(JsonLines):
-        def scan(self, f: IO[bytes], url: str, block: int):  # type: ignore[no-untyped-def]
+        def scan(self, f: IO[bytes], url: str, block: int) -> Scan:
             scans.append(url)
             return super().scan(f, url, block)
 

@@ -3,6 +3,8 @@ records for any catalog, seed, epoch and window; blocks read front to back."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,7 +52,7 @@ def test_every_epoch_order_is_a_bijection_however_the_positions_are_cut(
         assert whole == list(range(size))
     # Leases cut the positions anywhere: the pieces map to the same records.
     edges = sorted({0, size, *(c % (size + 1) for c in cuts)})
-    runs = list(zip(edges, edges[1:], strict=False))
+    runs = list(itertools.pairwise(edges))
     pieces = [r for a, b in runs for r in order.ranges([(a, b)])]
     assert pieces == whole
     # Another process computes the same order (a pure function).
