@@ -13,7 +13,7 @@ records; its memory grows with shards, never with records or files.
 Counting: each file's records are counted once (files in parallel threads)
 and the count, with the reader's seek hints, is cached as a small JSON file
 per file version in `cache_dir` (default: the job's work directory,
-DLFLEET_WORKDIR, else ~/.cache/dlfleet/catalogs). A file's version is its
+DLFLEET_WORKDIR/catalogs, else ~/.cache/dlfleet/catalogs). A file's version is its
 size and modification time (or ETag) as its file system reports them.
 
 Invariants:
@@ -284,7 +284,7 @@ def _default_cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     if os.environ.get(WORKDIR_ENV):
-        return Path(os.environ[WORKDIR_ENV]) / ".dlfleet" / "catalogs"
+        return Path(os.environ[WORKDIR_ENV]) / "catalogs"
     return Path.home() / ".cache" / "dlfleet" / "catalogs"
 
 
