@@ -9,7 +9,9 @@ the subject of the end-to-end exactly-once tests (checked by tests/e2e/ledger.py
 Record i of the dataset is (features derived from i, i), so a batch names its
 records. With `--catalog`, the records are read from files (a FileCatalog of
 JSON lines, Parquet and WebDataset tars, tests/stream_files.py) and i is the
-id stored in the record, so the ledger shows what the readers delivered. Each process appends to its own ledger file,
+id stored in the record, so the ledger shows what the readers delivered.
+
+Each process appends to its own ledger file,
 `DIR/ledger-a<attempt>-r<rank>.jsonl`, one JSON line per step, written with one
 write() and fsynced before the step goes on:
 
