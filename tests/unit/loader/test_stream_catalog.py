@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stream_files import FORMATS, http_server, record_id, write, write_catalog
 
+from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.loader.files import (
     CatalogError,
     FileCatalog,
@@ -24,6 +25,7 @@ from dlfleet.worker.loader.files import (
     JsonLines,
     RecordReader,
     WebDatasetSamples,
+    write_jsonl_shards,
 )
 from dlfleet.worker.loader.files.readers import Scan
 
@@ -196,3 +198,18 @@ def test_an_empty_catalog_is_refused(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text("")
     with pytest.raises(CatalogError, match="hold no records"):
         FileCatalog(str(tmp_path / "a.jsonl"), cache_dir=tmp_path / "c")
+
+
+def test_any_iterable_is_cut_into_files_that_a_catalog_reads(tmp_path: Path) -> None:
+    stream = ({"id": i, "text": f"record {i}"} for i in range(23))  # e.g. an HF stream
+    paths = write_jsonl_shards(stream, tmp_path / "shards", 10)
+    assert [Path(p).name for p in paths] == [
+        "part-00000.jsonl",
+        "part-00001.jsonl",
+        "part-00002.jsonl",
+    ]
+    cat = FileCatalog(str(tmp_path / "shards" / "*.jsonl"), cache_dir=tmp_path / "c")
+    assert [f.count for f in cat.files] == [10, 10, 3]
+    assert [r["id"] for r in cat.__getitems__(list(range(23)))] == list(range(23))
+    with pytest.raises(InvalidArgument, match="record 2 is not JSON-serializable"):
+        write_jsonl_shards([1, 2, object()], tmp_path / "bad", 10)

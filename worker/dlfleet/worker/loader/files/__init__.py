@@ -3,6 +3,7 @@ token files, any format with a `FunctionReader`) as one indexed dataset that
 `ShardedDataLoader` leases exactly once (see catalog.py)."""
 
 from dlfleet.worker.loader.files.catalog import CatalogFile, FileCatalog
+from dlfleet.worker.loader.files.cutting import write_jsonl_shards
 from dlfleet.worker.loader.files.readers import (
     CatalogError,
     FixedRecords,
@@ -23,4 +24,5 @@ __all__ = [
     "ParquetRows",
     "RecordReader",
     "WebDatasetSamples",
+    "write_jsonl_shards",
 ]
