@@ -26,6 +26,7 @@ _LAZY_EXPORTS = {
     "WebDatasetSamples": "dlfleet.worker.loader.files",
     "FixedRecords": "dlfleet.worker.loader.files",
     "FunctionReader": "dlfleet.worker.loader.files",
+    "write_jsonl_shards": "dlfleet.worker.loader.files",
 }
 # name -> module that *is* it (`from dlfleet import elastic`).
 _LAZY_MODULES = {
@@ -42,6 +43,7 @@ __all__ = [
     "ShardedDataLoader",
     "WebDatasetSamples",
     "elastic",
+    "write_jsonl_shards",
 ]
 
 
