@@ -213,3 +213,16 @@ def test_any_iterable_is_cut_into_files_that_a_catalog_reads(tmp_path: Path) -> 
     assert [r["id"] for r in cat.__getitems__(list(range(23)))] == list(range(23))
     with pytest.raises(InvalidArgument, match="record 2 is not JSON-serializable"):
         write_jsonl_shards([1, 2, object()], tmp_path / "bad", 10)
+
+
+def test_the_fingerprint_changes_with_the_files_and_the_block_order(tmp_path: Path) -> None:
+    paths, _ = write_catalog(tmp_path, [5, 6], ["jsonl"])
+    files = [str(p) for p in paths]
+    same = {FileCatalog(files, cache_dir=tmp_path / "c").fingerprint for _ in range(2)}
+    assert len(same) == 1
+    others = {
+        FileCatalog(files, cache_dir=tmp_path / "c", block_size=3).fingerprint,
+        FileCatalog(files, cache_dir=tmp_path / "c", shuffle_window=7).fingerprint,
+        FileCatalog(files[:1], cache_dir=tmp_path / "c").fingerprint,
+    }
+    assert len(others) == 3 and not others & same

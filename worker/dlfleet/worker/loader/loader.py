@@ -332,7 +332,13 @@ def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
 
 def _default_name(dataset: Dataset[Any]) -> str:
     cls = type(dataset)
-    return f"{cls.__module__}.{cls.__qualname__}"[:MAX_NAME_LENGTH]
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    # A dataset that can tell its contents apart (a file catalog: its files,
+    # counts and block order) gets a name of its own per contents.
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if isinstance(fingerprint, str):
+        name = f"{cls.__qualname__}-{fingerprint}"
+    return name[:MAX_NAME_LENGTH]
 
 
 def _epoch_length(size: int, global_batch: int, drop_last: bool) -> int:

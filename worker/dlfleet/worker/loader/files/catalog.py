@@ -168,6 +168,16 @@ class FileCatalog(Dataset[Any]):
         self._order = order
         return order
 
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what decides the numbering and the order: the files,
+        their versions and counts, the block size and the shuffle window. The
+        loader names the dataset after it (unless given name=), so progress
+        recorded for one catalog is never applied to a different one."""
+        parts = [(f.url, f.size, f.version, f.count, f.reader.key) for f in self.files]
+        text = json.dumps([parts, self.block_size, self.shuffle_window])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def locate(self, index: int) -> tuple[str, int]:
         """(file URL, record number within the file) of global record `index`."""
         f = int(np.searchsorted(self._bases, index, side="right")) - 1
