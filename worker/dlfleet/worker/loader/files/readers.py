@@ -108,16 +108,18 @@ class JsonLines(RecordReader):
     def read_block(
         self, f: IO[bytes], url: str, hints: Sequence[int], block: int, first: int, stop: int
     ) -> Block:
-        f.seek(hints[first // block])
-        lines: list[bytes] = []
-        for _ in range(stop - first):
-            line = f.readline()
-            if not line:
-                raise CatalogError(
-                    f"{url}: ends at line {first + len(lines)}, but {stop} lines were counted; "
-                    "the file changed since the catalog counted it"
-                )
-            lines.append(line)
+        number = first // block
+        f.seek(hints[number])
+        # One read of the whole block: the next block's hint is where it ends.
+        data = f.read(hints[number + 1] - hints[number]) if number + 1 < len(hints) else f.read()
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # after the last newline
+        if len(lines) != stop - first:
+            raise CatalogError(
+                f"{url}: ends at line {first + len(lines)}, but {stop} lines were counted; "
+                "the file changed since the catalog counted it"
+            )
         return _ListBlock(lines, _JsonDecoder(url, first))
 
 
