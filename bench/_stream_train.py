@@ -20,16 +20,14 @@ Timing, steps and the result file are bench/_loader_train.py's (`train`,
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _loader_train import build_model, result, train
+from _loader_train import build_model, finish, train
 from torch.utils.data import DataLoader, IterableDataset
 
 FEATURES = 16
@@ -145,19 +143,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     loader = build_loader(args, args.files)
     model = torch.nn.parallel.DistributedDataParallel(build_model(FEATURES, args.hidden))
-    timings = train(args, loader, model)
-    if dist.get_rank() == 0:
-        tmp = f"{args.result}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result(args, dist.get_world_size(), timings), f)
-        os.replace(tmp, args.result)
-    if hasattr(loader, "close"):
-        loader.close()
-    dist.barrier()
-    del model
-    gc.collect()
-    dist.destroy_process_group()
-    return 0
+    return finish(args, loader, model, train(args, loader, model))
 
 
 if __name__ == "__main__":

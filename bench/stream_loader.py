@@ -128,7 +128,8 @@ def run_trials(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
             rates[system.name].append(result.samples_per_s)
             say(
                 f"  {system.name:9s} trial {index}: {result.samples_per_s:8.0f} samples/s, "
-                f"step {result.step_ms:.2f} ms, data wait {result.data_share:.1%}"
+                f"step {result.step_ms:.2f} ms, data wait {result.data_share:.1%}, "
+                f"rank 0 CPU {result.cpu_ms:.2f} ms/step"
                 + (f" ({result.note})" if result.note else "")
             )
     return rates

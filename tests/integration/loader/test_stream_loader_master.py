@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import TOKEN, Running
+from harness import TOKEN, Running, run_ranks
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from stream_files import record_id, write_catalog
@@ -42,25 +42,6 @@ def ids_of(batch: Any) -> list[int]:
 def keep_records(batch: list[Any]) -> list[Any]:
     """collate_fn: the records as they are (dicts, samples, arrays)."""
     return batch
-
-
-def run_ranks(world: int, rank_main: Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            rank_main(rank)
-        except BaseException as error:
-            errors.append(error)
-            raise
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
 
 
 class Job:
