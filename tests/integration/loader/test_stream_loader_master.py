@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from stream_files import record_id, write_catalog
 
+from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader
 from dlfleet.worker.loader.files import FileCatalog
 
@@ -206,3 +207,20 @@ def test_under_plain_torchrun_a_catalog_is_strided_by_rank(tmp_path: Path) -> No
         lengths.add(len(batches))
         union += [i for b in batches for i in ids_of(b)]
     assert sorted(union) == ids and len(lengths) == 1
+
+
+def test_a_state_of_a_catalog_whose_files_changed_is_refused(
+    start_master: Callable[..., Running], tmp_path: Path
+) -> None:
+    running = start_master()
+    paths, _ = write_catalog(tmp_path, [12, 9], ["jsonl"])
+    files = [str(p) for p in paths]
+    before = FileCatalog(files, cache_dir=tmp_path / "c")
+    with ShardedDataLoader(before, 2, collate_fn=keep_records, environment=env(running, 1)) as a:
+        next(iter(a))
+        state = a.state_dict()
+    write_catalog(tmp_path, [12, 10], ["jsonl"])  # a record appended to the second file
+    after = FileCatalog(files, cache_dir=tmp_path / "c")
+    b = ShardedDataLoader(after, 2, collate_fn=keep_records, environment=env(running, 2))
+    with b, pytest.raises(InvalidArgument, match="the state is of dataset 'FileCatalog-"):
+        b.load_state_dict(state)

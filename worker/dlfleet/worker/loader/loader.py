@@ -183,6 +183,11 @@ class ShardedDataLoader:
             raise InvalidArgument(
                 f"a {state.get('mode')!r} loader state cannot resume a {self.mode.value!r} loader"
             )
+        if state.get("dataset", self.name) != self.name:
+            # E.g. a file catalog whose files changed: its numbering is another.
+            raise InvalidArgument(
+                f"the state is of dataset {state['dataset']!r}, this loader's is {self.name!r}"
+            )
         if self.mode is LoaderMode.LOCAL:
             assert isinstance(self.stream, LocalStream)
             self.stream.restore(state)
