@@ -8,6 +8,7 @@ import itertools
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -226,3 +227,37 @@ def test_the_fingerprint_changes_with_the_files_and_the_block_order(tmp_path: Pa
         FileCatalog(files[:1], cache_dir=tmp_path / "c").fingerprint,
     }
     assert len(others) == 3 and not others & same
+
+
+@pytest.mark.filterwarnings("ignore:ShardedDataLoader")
+def test_forked_dataloader_workers_do_not_inherit_a_held_lock_or_open_files(
+    tmp_path: Path,
+) -> None:
+    """The read-ahead thread may hold the catalog's lock when a DataLoader
+    forks its workers: a worker that kept the inherited lock would wait for
+    ever (here: the DataLoader's 20 s timeout fails the test)."""
+    from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader
+
+    paths, ids = write_catalog(tmp_path, [40, 40], ["jsonl"])
+    cat = FileCatalog([str(p) for p in paths], cache_dir=tmp_path / "c", block_size=4)
+    assert record_id(cat[0]) == ids[0]  # the parent holds a file open
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # as the read-ahead thread does while it reads a block
+        with cat._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        loader = ShardedDataLoader(
+            cat, 4, num_workers=2, multiprocessing_context="fork", collate_fn=lambda b: b,
+            timeout=20, environment=LoaderEnvironment(master=None),
+        )  # fmt: skip
+        assert sorted(record_id(r) for b in loader for r in b) == ids
+    finally:
+        release.set()
+        holder.join(10)
+    cat.close()

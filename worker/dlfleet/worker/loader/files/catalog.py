@@ -26,7 +26,12 @@ Invariants:
   through a bounded cache of blocks and open files; a background thread
   reads the next block of the epoch's order ahead (`prefetch_blocks`).
 - The catalog pickles without its open files, caches or thread, so
-  DataLoader workers (`num_workers`) each read the batches given to them.
+  DataLoader workers (`num_workers`) each read the batches given to them; a
+  worker forked with the catalog in memory drops what it inherited (open
+  files share their offsets across a fork) before its first read.
+- The background read-ahead follows the epoch order the loader asked for in
+  this process: in the training process (num_workers=0). DataLoader workers
+  read ahead by whole batches instead (prefetch_factor).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class FileCatalog(Dataset[Any]):
     _prefetcher: concurrent.futures.ThreadPoolExecutor | None
     _pending: set[tuple[int, int]]
     _order: BlockOrder | None
+    _pid: int
 
     def __init__(
         self,
@@ -143,6 +149,10 @@ class FileCatalog(Dataset[Any]):
         DataLoader calls this once per batch."""
         if not indices:
             return []
+        if self._pid != os.getpid():
+            # A forked DataLoader worker: its parent's open files share their
+            # offsets with it, and a lock may have been held at the fork.
+            self._reset()
         wanted = np.asarray(indices, dtype=np.int64)
         if wanted.min() < 0 or wanted.max() >= self.size:
             raise IndexError(f"record indices outside [0, {self.size})")
@@ -195,6 +205,7 @@ class FileCatalog(Dataset[Any]):
     # --------------------------------------------------------------- internals
 
     def _reset(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.RLock()
         self._handles = OrderedDict()
         self._blocks = OrderedDict()
@@ -205,7 +216,7 @@ class FileCatalog(Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_handles", "_blocks", "_prefetcher", "_pending", "_order"):
+        for name in ("_pid", "_lock", "_handles", "_blocks", "_prefetcher", "_pending", "_order"):
             state.pop(name, None)
         return state
 
