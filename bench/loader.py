@@ -385,9 +385,14 @@ class TrialRun:
 
 
 def run_trial(
-    system: System, config: Config, index: int, args: argparse.Namespace, root: Path
+    system: System,
+    config: Config,
+    index: int,
+    args: argparse.Namespace,
+    root: Path,
+    kind: type[TrialRun] = TrialRun,
 ) -> Trial:
-    trial = TrialRun(system, config, index, args, root)
+    trial = kind(system, config, index, args, root)
     busy, children, began = busy_cpu_s(), children_cpu_s(), time.monotonic()
     try:
         result = trial.run()
