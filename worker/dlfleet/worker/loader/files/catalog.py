@@ -108,6 +108,8 @@ class FileCatalog(Dataset[Any]):
     ) -> None:
         if block_size < 1:
             raise InvalidArgument(f"block_size must be at least 1, got {block_size}")
+        if shuffle_window is not None and shuffle_window < 0:
+            raise InvalidArgument(f"shuffle_window must be 0 or more, got {shuffle_window}")
         if reader != "auto" and not isinstance(reader, RecordReader):
             raise InvalidArgument(f"reader must be 'auto' or a RecordReader, got {reader!r}")
         self.block_size = block_size
@@ -126,14 +128,13 @@ class FileCatalog(Dataset[Any]):
         if self.size == 0:
             raise CatalogError(f"the catalog's {len(self.files)} files hold no records")
         self._bases = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        starts: list[int] = []
-        lengths: list[int] = []
-        for base, count in zip(self._bases.tolist(), counts.tolist(), strict=True):
-            for first in range(0, count, block_size):
-                starts.append(base + first)
-                lengths.append(min(block_size, count - first))
-        self._block_starts = np.array(starts, dtype=np.int64)
-        self._block_lengths = np.array(lengths, dtype=np.int64)
+        # Blocks of each file: records [k * block_size, (k + 1) * block_size).
+        per_file = -(-counts // block_size)
+        file_of = np.repeat(np.arange(len(counts), dtype=np.int64), per_file)
+        first_block = np.repeat(np.cumsum(per_file) - per_file, per_file)
+        within = (np.arange(len(file_of), dtype=np.int64) - first_block) * block_size
+        self._block_starts = (self._bases[file_of] + within).astype(np.int64)
+        self._block_lengths = np.minimum(block_size, counts[file_of] - within).astype(np.int64)
         self._reset()
 
     # ---------------------------------------------------------------- dataset
