@@ -126,6 +126,8 @@ def test_files_served_over_http_are_read_with_range_requests(tmp_path: Path) -> 
     with http_server(tmp_path) as base:
         urls = [f"{base}/{p.name}" for p in paths]
         cat = FileCatalog(urls, cache_dir=tmp_path / "c", block_size=4)
+        globbed = FileCatalog(f"{base}/part-*", cache_dir=tmp_path / "c", block_size=4)
+        assert [f.url for f in globbed.files] == urls  # from the server's folder listing
         order = cat.epoch_order(5, 1, shuffle=True)
         read = [record_id(r) for r in cat.__getitems__(order.ranges([(0, 27)]))]
         assert sorted(read) == ids
