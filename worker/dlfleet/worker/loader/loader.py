@@ -18,6 +18,11 @@ Modes (decided once, at construction):
 - local (no DLFLEET_MASTER, e.g. plain torchrun): a warning, then the same
   slicing over the seeded permutation of each epoch, no master involved.
 
+Datasets: any map-style dataset, positions mapped to records by the epoch's
+`EpochPermutation`; a dataset that decides its own epoch order
+(`indexing.OrderedDataset`: a `FileCatalog` of streamed files, which visits
+blocks of files in a seeded order) is mapped by that order instead.
+
 Invariants:
 - `__iter__` yields one epoch; iterating again continues with the next epoch,
   until the dataset's `epochs` are done (then iterations are empty).
