@@ -9,6 +9,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -96,7 +97,9 @@ def test_counts_are_cached_and_a_second_catalog_reads_no_file_to_count(tmp_path:
 
 def test_globs_expand_sorted_and_the_catalog_pickles_without_open_files(tmp_path: Path) -> None:
     paths, ids = write_catalog(tmp_path, [3, 4, 5], ["jsonl"])
-    cat = FileCatalog(str(tmp_path / "part-*.jsonl"), cache_dir=tmp_path / "c", block_size=2)
+    cat = FileCatalog(
+        str(tmp_path / "part-*.jsonl"), cache_dir=tmp_path / "c", block_size=2, prefetch_blocks=1
+    )
     assert [f.url for f in cat.files] == [str(p) for p in paths]
     cat.epoch_order(0, 0, True)
     assert record_id(cat[0]) == ids[0]  # opens a file, starts the prefetch thread
@@ -262,4 +265,25 @@ def test_forked_dataloader_workers_do_not_inherit_a_held_lock_or_open_files(
     finally:
         release.set()
         holder.join(10)
+    cat.close()
+
+
+def test_the_next_block_of_the_epoch_is_read_ahead_in_the_background(tmp_path: Path) -> None:
+    paths, ids = write_catalog(tmp_path, [12, 12], ["jsonl", "tar"])
+    cat = FileCatalog([str(p) for p in paths], cache_dir=tmp_path / "c", block_size=4)
+    assert cat.prefetch_blocks == 0  # local files: the page cache is ahead already
+    cat = FileCatalog(
+        [str(p) for p in paths], cache_dir=tmp_path / "c", block_size=4, prefetch_blocks=1
+    )
+    order = cat.epoch_order(3, 0, shuffle=True)
+    visited = order.ranges([(0, 24)])
+    cat.__getitems__([visited[0]])
+    after = order.following(visited[0], 1)[0]
+    file, local = cat.locate(after)
+    key = ([f.url for f in cat.files].index(file), local // 4)
+    deadline = time.monotonic() + 10
+    while key not in cat._blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert key in cat._blocks  # read by the background thread, not asked for yet
+    assert record_id(cat[after]) == ids[after]
     cat.close()

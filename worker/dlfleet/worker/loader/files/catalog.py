@@ -24,7 +24,9 @@ Invariants:
   counted raises: a changed file never silently shifts the numbering.
 - A process reads only the blocks holding the records it is asked for,
   through a bounded cache of blocks and open files; a background thread
-  reads the next block of the epoch's order ahead (`prefetch_blocks`).
+  reads the next block of the epoch's order ahead (`prefetch_blocks`; by
+  default one block for remote files and none for local ones, which the page
+  cache serves at once: there the thread would only take the GIL).
 - The catalog pickles without its open files, caches or thread, so
   DataLoader workers (`num_workers`) each read the batches given to them; a
   worker forked with the catalog in memory drops what it inherited (open
@@ -80,7 +82,8 @@ class FileCatalog(Dataset[Any]):
     `block_size`: records per block (the unit of sequential reads and of the
     per-epoch file/block shuffle). `shuffle_window`: positions shuffled
     together within a block-shuffled epoch (default 4 blocks; 0 or 1: none).
-    `transform`: applied to each decoded record."""
+    `transform`: applied to each decoded record. `prefetch_blocks`: blocks
+    read ahead in the background (default: 1 for remote files, 0 for local)."""
 
     # Per process, rebuilt after unpickling (see _reset).
     _lock: threading.RLock
@@ -90,6 +93,7 @@ class FileCatalog(Dataset[Any]):
     _prefetcher: concurrent.futures.ThreadPoolExecutor | None
     _pending: set[tuple[int, int]]
     _order: BlockOrder | None
+    _prefetched_after: tuple[int, int] | None  # the block the last read-ahead followed
     _pid: int
 
     def __init__(
@@ -102,7 +106,7 @@ class FileCatalog(Dataset[Any]):
         transform: Callable[[Any], Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         scan_threads: int = 8,
-        prefetch_blocks: int = 1,
+        prefetch_blocks: int | None = None,
         max_open_files: int = 16,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -115,7 +119,6 @@ class FileCatalog(Dataset[Any]):
         self.block_size = block_size
         self.shuffle_window = 4 * block_size if shuffle_window is None else shuffle_window
         self.transform = transform
-        self.prefetch_blocks = prefetch_blocks
         self.max_open_files = max(1, max_open_files)
         self.storage_options = dict(storage_options or {})
         self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
@@ -123,6 +126,9 @@ class FileCatalog(Dataset[Any]):
         self.files: tuple[CatalogFile, ...] = _count_all(
             urls, reader, block_size, self.cache_dir, scan_threads, self.storage_options
         )
+        remote = any("://" in f.url and not f.url.startswith("file://") for f in self.files)
+        default = 1 if remote else 0
+        self.prefetch_blocks = default if prefetch_blocks is None else prefetch_blocks
         counts = np.array([f.count for f in self.files], dtype=np.int64)
         self.size = int(counts.sum())
         if self.size == 0:
@@ -168,7 +174,10 @@ class FileCatalog(Dataset[Any]):
             records = self._block(f, number).records([offset for _, offset in items])
             for (at, _), record in zip(items, records, strict=True):
                 out[at] = record if self.transform is None else self.transform(record)
-        self._prefetch_after(int(wanted[-1]))
+        last = (int(files[-1]), int(local[-1]) // block)
+        if last != self._prefetched_after:  # once per block reached
+            self._prefetched_after = last
+            self._prefetch_after(int(wanted[-1]))
         return out
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> BlockOrder:
@@ -214,10 +223,14 @@ class FileCatalog(Dataset[Any]):
         self._prefetcher = None
         self._pending = set()
         self._order = None
+        self._prefetched_after = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_pid", "_lock", "_handles", "_blocks", "_prefetcher", "_pending", "_order"):
+        for name in (
+            "_pid", "_lock", "_handles", "_blocks", "_prefetcher", "_pending", "_order",
+            "_prefetched_after",
+        ):  # fmt: skip
             state.pop(name, None)
         return state
 

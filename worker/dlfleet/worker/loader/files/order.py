@@ -70,7 +70,7 @@ class BlockOrder:
         parts = [np.arange(a, b, dtype=np.int64) for a, b in runs if a < b]
         if not parts:
             return []
-        positions = np.concatenate(parts)
+        positions = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if positions[0] < 0 or positions.max() >= self.size:
             raise IndexError(f"positions outside [0, {self.size})")
         if self.window > 1:
@@ -90,6 +90,9 @@ class BlockOrder:
 
     def _shuffle_windows(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         numbers = positions // self.window
+        first, last = int(numbers.min()), int(numbers.max())
+        if first == last:  # the common case: a rank's batch within one window
+            return first * self.window + self._window(first)[positions - first * self.window]
         out = positions.copy()
         for number in np.unique(numbers).tolist():
             mask = numbers == number
