@@ -4,7 +4,7 @@ read by a plain `IterableDataset` that strides the files by rank under
 (leasing from a `dlmaster`); then what each does when a job resumes in
 another world size.
 
-    python bench/stream_loader.py            # 3 trials per system
+    python bench/stream_loader.py            # 5 trials per system
     python bench/stream_loader.py --quick    # 2 trials, fewer steps
 
 Throughput: 1 node x 2 processes on this machine, DDP over gloo, one torch
@@ -103,27 +103,10 @@ class StreamTrial(TrialRun):
     """bench/loader.py's trial (processes, clock, cleanup), with the
     streaming training script and its arguments."""
 
-    def train_args(self) -> list[str]:
-        a = self.args
-        return [
-            str(TRAIN),
-            "--loader",
-            self.system.loader,
-            "--result",
-            str(self.result_path),
-            "--files",
-            *a.paths,
-            "--cache-dir",
-            str(a.cache_dir),
-            "--batch-size",
-            str(a.batch_size),
-            "--num-workers",
-            str(self.config.num_workers),
-            "--warmup",
-            str(a.warmup),
-            "--steps",
-            str(a.steps),
-        ]
+    script = TRAIN
+
+    def data_args(self) -> list[str]:
+        return ["--files", *self.args.paths, "--cache-dir", str(self.args.cache_dir)]
 
 
 def run_trials(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
@@ -268,7 +251,7 @@ def dlfleet_resume(paths: list[str], steps: int, root: Path) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 trials, 200 timed steps")
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--records-per-file", type=int, default=5000)
