@@ -197,15 +197,19 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     dataset = SyntheticDataset(args.records, args.features, args.item_work)
     loader = build_loader(args, dataset)
     model = torch.nn.parallel.DistributedDataParallel(build_model(args.features, args.hidden))
     timings = train(args, loader, model)
-    if rank == 0:
+    return finish(args, loader, model, timings)
+
+
+def finish(args: argparse.Namespace, loader: Any, model: torch.nn.Module, t: Timings) -> int:
+    """Rank 0 writes the result; then every rank takes its job down."""
+    if dist.get_rank() == 0:
         tmp = f"{args.result}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result(args, world, timings), f)
+            json.dump(result(args, dist.get_world_size(), t), f)
         os.replace(tmp, args.result)
     if hasattr(loader, "close"):
         loader.close()

@@ -238,27 +238,36 @@ class TrialRun:
     def where(self) -> str:
         return f"{self.system.name} trial {self.index} ({self.config.label})"
 
+    script = TRAIN
+
     def train_args(self) -> list[str]:
         a = self.args
-        shard_size = self.system.shard_batches * a.batch_size * NPROC
         return [
-            str(TRAIN),
+            str(self.script),
             "--loader",
             self.system.loader,
             "--result",
             str(self.result_path),
-            "--records",
-            str(a.records),
             "--batch-size",
             str(a.batch_size),
-            "--item-work",
-            str(a.item_work),
             "--num-workers",
             str(self.config.num_workers),
             "--warmup",
             str(a.warmup),
             "--steps",
             str(a.steps),
+            *self.data_args(),
+        ]
+
+    def data_args(self) -> list[str]:
+        """The training script's arguments for its data."""
+        a = self.args
+        shard_size = self.system.shard_batches * a.batch_size * NPROC
+        return [
+            "--records",
+            str(a.records),
+            "--item-work",
+            str(a.item_work),
             "--shard-size",
             str(shard_size),
         ]
@@ -385,9 +394,14 @@ class TrialRun:
 
 
 def run_trial(
-    system: System, config: Config, index: int, args: argparse.Namespace, root: Path
+    system: System,
+    config: Config,
+    index: int,
+    args: argparse.Namespace,
+    root: Path,
+    kind: type[TrialRun] = TrialRun,
 ) -> Trial:
-    trial = TrialRun(system, config, index, args, root)
+    trial = kind(system, config, index, args, root)
     busy, children, began = busy_cpu_s(), children_cpu_s(), time.monotonic()
     try:
         result = trial.run()

@@ -16,8 +16,8 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   echo "setup: installing torch 2.13.0 (CPU)"
   pip_install "torch==2.13.0"
 fi
-echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker and dev extras"
-pip_install -e ".[master,postgres,mysql,kubernetes,worker,dev]"
+echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker, stream and dev extras"
+pip_install -e ".[master,postgres,mysql,kubernetes,worker,stream,dev]"
 
 # The dashboard's browser test drives Debian's chromium through playwright
 # (playwright's own browser download is never used). Installed when missing and

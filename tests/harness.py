@@ -246,6 +246,27 @@ def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
+def run_ranks(world: int, rank_main: Callable[[int], None]) -> None:
+    """Each rank of a world on a thread of this process (loader tests); a
+    rank's exception fails the test."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as error:
+            errors.append(error)
+            raise
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+
+
 def worker_of(agent_pid: int) -> int:
     """A training process under the agent `agent_pid` (not a spare: it has a rank)."""
     for entry in os.listdir("/proc"):

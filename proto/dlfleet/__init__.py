@@ -20,13 +20,31 @@ __path__ = extend_path(__path__, __name__)
 _LAZY_EXPORTS = {
     "ShardedDataLoader": "dlfleet.worker.loader",
     "Checkpointer": "dlfleet.worker.checkpoint.checkpointer",
+    "FileCatalog": "dlfleet.worker.loader.files",
+    "JsonLines": "dlfleet.worker.loader.files",
+    "ParquetRows": "dlfleet.worker.loader.files",
+    "WebDatasetSamples": "dlfleet.worker.loader.files",
+    "FixedRecords": "dlfleet.worker.loader.files",
+    "FunctionReader": "dlfleet.worker.loader.files",
+    "write_jsonl_shards": "dlfleet.worker.loader.files",
 }
 # name -> module that *is* it (`from dlfleet import elastic`).
 _LAZY_MODULES = {
     "elastic": "dlfleet.worker.elastic",
 }
 
-__all__ = ["Checkpointer", "ShardedDataLoader", "elastic"]
+__all__ = [
+    "Checkpointer",
+    "FileCatalog",
+    "FixedRecords",
+    "FunctionReader",
+    "JsonLines",
+    "ParquetRows",
+    "ShardedDataLoader",
+    "WebDatasetSamples",
+    "elastic",
+    "write_jsonl_shards",
+]
 
 
 def __getattr__(name: str) -> Any:

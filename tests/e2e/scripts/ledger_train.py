@@ -4,10 +4,14 @@ the subject of the end-to-end exactly-once tests (checked by tests/e2e/ledger.py
     ledger_train.py --ledger-dir DIR [--epochs 2] [--size 200] [--batch-size 4]
         [--shard-size 0] [--drop-last] [--checkpoint-every 5 | --no-checkpoint]
         [--crash-at-step K --crash-rank R [--crash-point logged|trained]]
-        [--sleep-per-step S]
+        [--sleep-per-step S] [--catalog FILE... [--block-size B]]
 
 Record i of the dataset is (features derived from i, i), so a batch names its
-records. Each process appends to its own ledger file,
+records. With `--catalog`, the records are read from files (a FileCatalog of
+JSON lines, Parquet and WebDataset tars, tests/stream_files.py) and i is the
+id stored in the record, so the ledger shows what the readers delivered.
+
+Each process appends to its own ledger file,
 `DIR/ledger-a<attempt>-r<rank>.jsonl`, one JSON line per step, written with one
 write() and fsynced before the step goes on:
 
@@ -101,6 +105,7 @@ from dlfleet import ShardedDataLoader
 from dlfleet.worker import elastic, progress
 from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer
+from dlfleet.worker.loader.files import FileCatalog
 
 FEATURES = 4
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -119,9 +124,35 @@ class Records(Dataset[tuple[torch.Tensor, int]]):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        x = float(index) / self.size
-        features = torch.tensor([x, math.sin(7 * x), math.cos(5 * x), 1.0])
-        return features, index
+        return features_of(index, self.size)
+
+
+def features_of(key: int, size: int) -> tuple[torch.Tensor, int]:
+    x = float(key) / size
+    return torch.tensor([x, math.sin(7 * x), math.cos(5 * x), 1.0]), key
+
+
+class CatalogRecord:
+    """A catalog record (a JSON object, a Parquet row, a WebDataset sample)
+    -> (features, id): the id read from the file, so the ledger shows which
+    record the reader delivered."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, record: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        if "json" in record:  # a WebDataset sample
+            record = json.loads(record["json"])
+        return features_of(int(record["id"]), self.size)
+
+
+def catalog(args: argparse.Namespace) -> FileCatalog:
+    files = FileCatalog(
+        args.catalog, block_size=args.block_size, transform=CatalogRecord(args.size)
+    )
+    if len(files) != args.size:
+        raise SystemExit(f"the catalog holds {len(files)} records, --size says {args.size}")
+    return files
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,6 +184,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--knee", type=int, default=0, help="world size past which steps slow")
     parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
     parser.add_argument("--dataset-name", default="ledger-records")
+    parser.add_argument(
+        "--catalog",
+        nargs="+",
+        help="train a FileCatalog of these files (JSON lines, Parquet, WebDataset tars) whose "
+        "records carry an id instead of the indexed records; it must hold --size records",
+    )
+    parser.add_argument("--block-size", type=int, default=8, help="--catalog: records a block")
     args = parser.parse_args()
     if args.checkpoint_dir is None:
         args.checkpoint_dir = args.ledger_dir / "checkpoints"
@@ -226,7 +264,7 @@ class LedgerTrainer:
         self.model = DistributedDataParallel(model or nn.Linear(FEATURES, 1))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.loader = ShardedDataLoader(
-            Records(args.size),
+            catalog(args) if args.catalog else Records(args.size),
             args.batch_size,
             shuffle=True,
             seed=args.seed,

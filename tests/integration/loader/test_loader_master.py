@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from harness import TOKEN, Running
+from harness import TOKEN, Running, run_ranks
 from torch.utils.data import Dataset
 
 from dlfleet.api.errors import InvalidArgument
@@ -76,26 +76,6 @@ def test_worker_processes_and_persistent_workers_keep_working(
     with loader:
         epochs = [records(list(loader)), records(list(loader))]
     assert [sorted(e) for e in epochs] == [list(range(30))] * 2
-
-
-def run_ranks(world: int, rank_main: Callable[[int], None]) -> None:
-    """Each rank on a thread; a rank's exception fails the test."""
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            rank_main(rank)
-        except BaseException as error:
-            errors.append(error)
-            raise
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
 
 
 def test_ranks_of_a_round_see_the_same_steps_and_split_the_records(

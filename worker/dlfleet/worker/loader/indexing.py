@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +40,22 @@ KEEP_BLOCKS = 4
 # 6 tables of 2^16 int64 entries: 3 MiB, built in ~0.2 s once per epoch, for
 # datasets of up to 2^32 records.
 MAX_TABLE_HALF_BITS = 16
+
+
+class PositionOrder(Protocol):
+    """Positions of one epoch -> record indices (what the loader needs)."""
+
+    def ranges(self, runs: Sequence[tuple[int, int]]) -> list[int]: ...
+
+
+@runtime_checkable
+class OrderedDataset(Protocol):
+    """A dataset that decides its own epoch order (a file catalog: blocks of
+    files instead of single records); any other dataset gets
+    `EpochPermutation`. The order must be a bijection of [0, len(dataset)),
+    a pure function of (seed, epoch, shuffle)."""
+
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> PositionOrder: ...
 
 
 class PositionIndexer:

@@ -18,6 +18,11 @@ Modes (decided once, at construction):
 - local (no DLFLEET_MASTER, e.g. plain torchrun): a warning, then the same
   slicing over the seeded permutation of each epoch, no master involved.
 
+Datasets: any map-style dataset, positions mapped to records by the epoch's
+`EpochPermutation`; a dataset that decides its own epoch order
+(`indexing.OrderedDataset`: a `FileCatalog` of streamed files, which visits
+blocks of files in a seeded order) is mapped by that order instead.
+
 Invariants:
 - `__iter__` yields one epoch; iterating again continues with the next epoch,
   until the dataset's `epochs` are done (then iterations are empty).
@@ -48,7 +53,7 @@ from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.worker import elastic, progress
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
-from dlfleet.worker.loader.indexing import PositionIndexer
+from dlfleet.worker.loader.indexing import OrderedDataset, PositionIndexer, PositionOrder
 from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
 from dlfleet.worker.loader.streams import EpochStream, LeasedStream, LocalStream
 
@@ -100,7 +105,7 @@ class ShardedDataLoader:
         self._client: MasterClient | None = None
         self._registered = False
         self._pending_restore: shards_pb2.DatasetSnapshot | None = None
-        self._permutation: tuple[int, PositionIndexer] | None = None
+        self._permutation: tuple[int, PositionOrder] | None = None
         self.stream: EpochStream
         if self.mode is LoaderMode.LOCAL:
             self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
@@ -184,6 +189,11 @@ class ShardedDataLoader:
             raise InvalidArgument(
                 f"a {state.get('mode')!r} loader state cannot resume a {self.mode.value!r} loader"
             )
+        if state.get("dataset", self.name) != self.name:
+            # E.g. a file catalog whose files changed: its numbering is another.
+            raise InvalidArgument(
+                f"the state is of dataset {state['dataset']!r}, this loader's is {self.name!r}"
+            )
         if self.mode is LoaderMode.LOCAL:
             assert isinstance(self.stream, LocalStream)
             self.stream.restore(state)
@@ -218,10 +228,16 @@ class ShardedDataLoader:
         runs = batch.rank_ranges(self._rank, self._world)
         return self._indexer(batch.epoch).ranges(runs)
 
-    def _indexer(self, epoch: int) -> PositionIndexer:
+    def _indexer(self, epoch: int) -> PositionOrder:
         if self._permutation is None or self._permutation[0] != epoch:
-            perm = EpochPermutation(self.size, self.seed, epoch, self.shuffle)
-            self._permutation = (epoch, PositionIndexer(perm))
+            order: PositionOrder
+            if isinstance(self.dataset, OrderedDataset):
+                # A file catalog reads blocks of files in order: its own
+                # block-level shuffle (see files/order.py).
+                order = self.dataset.epoch_order(self.seed, epoch, self.shuffle)
+            else:
+                order = PositionIndexer(EpochPermutation(self.size, self.seed, epoch, self.shuffle))
+            self._permutation = (epoch, order)
         return self._permutation[1]
 
     def _start(self) -> EpochStream:
@@ -327,7 +343,13 @@ def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
 
 def _default_name(dataset: Dataset[Any]) -> str:
     cls = type(dataset)
-    return f"{cls.__module__}.{cls.__qualname__}"[:MAX_NAME_LENGTH]
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    # A dataset that can tell its contents apart (a file catalog: its files,
+    # counts and block order) gets a name of its own per contents.
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if isinstance(fingerprint, str):
+        name = f"{cls.__qualname__}-{fingerprint}"
+    return name[:MAX_NAME_LENGTH]
 
 
 def _epoch_length(size: int, global_batch: int, drop_last: bool) -> int:

@@ -1,0 +1,87 @@
+"""A file catalog's epoch order (files/order.py): a bijection of positions onto
+records for any catalog, seed, epoch and window; blocks read front to back."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlfleet.worker.loader.files.order import BlockOrder
+
+
+def blocks(counts: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
+    starts: list[int] = []
+    lengths: list[int] = []
+    base = 0
+    for count in counts:
+        for first in range(0, count, block):
+            starts.append(base + first)
+            lengths.append(min(block, count - first))
+        base += count
+    return np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
+    block=st.integers(1, 9),
+    window=st.integers(0, 30),
+    seed=st.integers(0, 2**40),
+    epoch=st.integers(0, 5),
+    shuffle=st.booleans(),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+)
+def test_every_epoch_order_is_a_bijection_however_the_positions_are_cut(
+    counts: list[int],
+    block: int,
+    window: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    cuts: list[int],
+) -> None:
+    starts, lengths = blocks(counts, block)
+    size = sum(counts)
+    order = BlockOrder(starts, lengths, seed, epoch, shuffle, window)
+    whole = order.ranges([(0, size)])
+    assert sorted(whole) == list(range(size))
+    if not shuffle:
+        assert whole == list(range(size))
+    # Leases cut the positions anywhere: the pieces map to the same records.
+    edges = sorted({0, size, *(c % (size + 1) for c in cuts)})
+    runs = list(itertools.pairwise(edges))
+    pieces = [r for a, b in runs for r in order.ranges([(a, b)])]
+    assert pieces == whole
+    # Another process computes the same order (a pure function).
+    again = BlockOrder(starts, lengths, seed, epoch, shuffle, window)
+    assert again.ranges(runs[::-1]) == [r for a, b in runs[::-1] for r in whole[a:b]]
+
+
+def test_without_a_window_each_block_is_read_front_to_back_and_epochs_differ() -> None:
+    starts, lengths = blocks([10, 7, 12], 4)
+    first = BlockOrder(starts, lengths, seed=3, epoch=0, shuffle=True, window=0).ranges([(0, 29)])
+    second = BlockOrder(starts, lengths, seed=3, epoch=1, shuffle=True, window=0).ranges([(0, 29)])
+    assert first != second
+    at = 0
+    runs: list[list[int]] = []
+    while at < len(first):
+        end = at + 1
+        while end < len(first) and first[end] == first[end - 1] + 1:
+            end += 1
+        runs.append(first[at:end])
+        at = end
+    # Runs of consecutive records: whole blocks (or adjacent blocks of a file).
+    assert all(len(run) >= min(lengths.tolist()) for run in runs)
+    assert len(runs) <= len(starts)
+
+
+def test_following_names_the_blocks_visited_next() -> None:
+    starts, lengths = blocks([8, 8], 4)
+    order = BlockOrder(starts, lengths, seed=1, epoch=0, shuffle=True, window=0)
+    visited = order.ranges([(0, 16)])
+    firsts = visited[::4]  # a block's first record, in the order visited
+    assert order.following(firsts[0], 2) == firsts[1:3]
+    assert order.following(firsts[-1] + 3, 1) == []
