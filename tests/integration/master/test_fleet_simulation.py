@@ -22,6 +22,7 @@ BENCH = Path(__file__).resolve().parents[3] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import fleet  # noqa: E402 - bench/ is not a package
+from _common import ServerProcess, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -36,9 +37,9 @@ def test_a_thousand_simulated_nodes_form_lose_one_percent_and_form_again(
     args = argparse.Namespace(procs=2, interval=1.0, timeout=3.0, cap=60.0, settle=0, window=0)
     level = fleet.Level("sqlite", NODES)
     sim = fleet.Fleet(args, tmp_path, "sqlite", NODES)
-    port = fleet.free_port()
+    port = free_port()
     url = f"sqlite:///{tmp_path / 'master.db'}"
-    server = fleet.ServerProcess(
+    server = ServerProcess(
         "dlmaster",
         fleet.master_argv(port, url, NODES, args, sim.token),
         tmp_path / "master.log",
