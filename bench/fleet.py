@@ -416,7 +416,8 @@ def goals(levels: list[Level], args: argparse.Namespace) -> None:
             "RSS < 1 GB": lv.rss_mb < GOAL_RSS_MB,
         }
         verdicts = ", ".join(f"{k}: {'yes' if ok else 'NO'}" for k, ok in checks.items())
-        say(f"goals at {top} nodes ({lv.store}): {verdicts}")
+        where = "" if top >= 10_000 else " (the goals are for 10,000 nodes)"
+        say(f"goals at {top} nodes ({lv.store}){where}: {verdicts}")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[str]]:
