@@ -469,25 +469,13 @@ class MasterClient:
         self, name: str, attempt_once: Callable[[], Awaitable[Resp]]
     ) -> Resp:
         """`_with_retries` for a call awaited on the loop."""
-        started = time.monotonic()
-        last: grpc.RpcError | None = None
-        for attempt in range(self.retry.attempts):
+        attempts = _Attempts(name, self.target, self.retry)
+        while True:
             try:
                 return await attempt_once()
             except grpc.RpcError as error:
-                if error.code() not in _RETRYABLE:
-                    raise error_from_status(error.code(), error.details() or "") from None
-                last = error
-            elapsed = time.monotonic() - started
-            pause = self.retry.backoff(attempt)
-            if attempt + 1 >= self.retry.attempts or elapsed + pause > self.retry.total_budget_s:
-                break
+                pause = attempts.failed(error)
             await asyncio.sleep(pause)
-        assert last is not None
-        raise Unavailable(
-            f"{name} to master {self.target} failed after {attempt + 1} attempts over "
-            f"{time.monotonic() - started:.1f}s: {last.code().name}: {last.details()}"
-        )
 
     def heartbeat(self, node_id: str, incarnation: int) -> nodes_pb2.HeartbeatResponse:
         request = nodes_pb2.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
@@ -508,27 +496,43 @@ class MasterClient:
     def _with_retries(self, name: str, attempt_once: Callable[[], Resp]) -> Resp:
         """Run `attempt_once` until it succeeds, a non-transient error ends it,
         or the retry budget is spent (then `Unavailable`, naming the cause)."""
-        started = time.monotonic()
-        last: grpc.RpcError | None = None
-        for attempt in range(self.retry.attempts):
+        attempts = _Attempts(name, self.target, self.retry)
+        while True:
             try:
                 return attempt_once()
             except grpc.RpcError as error:
-                code = error.code()
-                if code not in _RETRYABLE:
-                    raise error_from_status(code, error.details() or "") from None
-                last = error
-            elapsed = time.monotonic() - started
-            pause = self.retry.backoff(attempt)
-            if attempt + 1 >= self.retry.attempts or elapsed + pause > self.retry.total_budget_s:
-                break
-            _log.debug("%s to %s failed (%s); retrying in %.2fs", name, self.target, last, pause)
+                pause = attempts.failed(error)
             time.sleep(pause)
-        assert last is not None
-        raise Unavailable(
-            f"{name} to master {self.target} failed after {attempt + 1} attempts over "
-            f"{time.monotonic() - started:.1f}s: {last.code().name}: {last.details()}"
+
+
+class _Attempts:
+    """One call's attempts under a `RetryPolicy`: after each failure, how long
+    to wait before the next, or the error that ends the call."""
+
+    def __init__(self, name: str, target: str, policy: RetryPolicy) -> None:
+        self._name = name
+        self._target = target
+        self._policy = policy
+        self._started = time.monotonic()
+        self._done = 0
+
+    def failed(self, error: grpc.RpcError) -> float:
+        code = error.code()
+        if code not in _RETRYABLE:
+            raise error_from_status(code, error.details() or "") from None
+        policy = self._policy
+        pause = policy.backoff(self._done)
+        self._done += 1
+        elapsed = time.monotonic() - self._started
+        if self._done >= policy.attempts or elapsed + pause > policy.total_budget_s:
+            raise Unavailable(
+                f"{self._name} to master {self._target} failed after {self._done} attempts "
+                f"over {elapsed:.1f}s: {code.name}: {error.details()}"
+            ) from None
+        _log.debug(
+            "%s to %s failed (%s); retrying in %.2fs", self._name, self._target, error, pause
         )
+        return pause
 
 
 class _SharedLoop:
