@@ -478,8 +478,8 @@ class MasterServer:
                 # those past 1,000 (RESOURCE_EXHAUSTED), which a fleet of
                 # thousands joining at once exceeds. Room for every node's
                 # session and join, a few times over.
-                ("grpc.server_max_pending_requests", MAX_PENDING_CALLS),
-                ("grpc.server_max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
                 # ... and cancels those still untaken after 30 s (a burst of
                 # thousands of joins on a busy loop): a join waits minutes anyway.
                 ("grpc.server_max_unrequested_time_in_server", 600),
