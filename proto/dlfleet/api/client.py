@@ -21,7 +21,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -78,6 +78,24 @@ def round_lease_request(
     )
 
 
+def join_request(
+    node_id: str,
+    incarnation: int,
+    local_world_size: int,
+    host: str,
+    bootstrap_port: int,
+    keeper_address: str = "",
+) -> rendezvous_pb2.JoinRequest:
+    return rendezvous_pb2.JoinRequest(
+        node_id=node_id,
+        incarnation=incarnation,
+        local_world_size=local_world_size,
+        host=host,
+        bootstrap_port=bootstrap_port,
+        keeper_address=keeper_address,
+    )
+
+
 TLS_CA_ENV = "DLFLEET_TLS_CA"
 
 
@@ -122,9 +140,14 @@ class MasterClient:
         retry: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
         tls_ca: bytes | None = None,
+        own_connection: bool = False,
     ) -> None:
         """`tls_ca`: PEM root certificate(s) to verify a TLS master with; when
-        None, the file named by $DLFLEET_TLS_CA if set, else plaintext."""
+        None, the file named by $DLFLEET_TLS_CA if set, else plaintext.
+        `own_connection`: this client gets a TCP connection of its own even
+        beside other clients of the same process (gRPC shares one by default),
+        as the one agent of a real node has: what the fleet simulator needs to
+        look like a fleet."""
         self.target = target
         self._credentials = channel_credentials(tls_ca)
         self.timeout_s = timeout_s
@@ -140,9 +163,15 @@ class MasterClient:
             # within 0.1-1 s of it, not after gRPC's default 1-120 s back-off
             # (every call fails fast while the channel waits to reconnect).
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            # gRPC also takes this as the least time a connection attempt
+            # gets (its handshake up to the SETTINGS frame): 100 ms would fail
+            # every attempt to a master busy with thousands of nodes joining.
+            # A master that is down refuses at once, whatever this is.
+            ("grpc.min_reconnect_backoff_ms", 5000),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        if own_connection:
+            self._options.append(("grpc.use_local_subchannel_pool", 1))
         if channel is not None:
             self._channel = channel
         elif self._credentials is not None:
@@ -171,6 +200,12 @@ class MasterClient:
             if self._io_loop is None:
                 self._io_loop = _IoLoop(self.target, self._options, self._credentials)
             return self._io_loop
+
+    @property
+    def io_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this client's sessions and `*_async` calls run on (its
+        asyncio channel is opened here: call it first from outside that loop)."""
+        return self._io().loop
 
     def __enter__(self) -> MasterClient:
         return self
@@ -275,13 +310,8 @@ class MasterClient:
         """Blocks until this node is a member of a formed round. Retried across
         a master restart (joining again is idempotent). `keeper_address`: this
         node's checkpoint Keeper (host:port), told to the round's members."""
-        request = rendezvous_pb2.JoinRequest(
-            node_id=node_id,
-            incarnation=incarnation,
-            local_world_size=local_world_size,
-            host=host,
-            bootstrap_port=bootstrap_port,
-            keeper_address=keeper_address,
+        request = join_request(
+            node_id, incarnation, local_world_size, host, bootstrap_port, keeper_address
         )
 
         def once() -> rendezvous_pb2.JoinResponse:
@@ -390,6 +420,63 @@ class MasterClient:
         )
         return self._call("Register", self._nodes.Register, request)
 
+    # ------------------------------------------------- on the client's loop
+    # The same requests as above, awaited on `io_loop` instead of blocking a
+    # thread: one process can then drive thousands of nodes (the fleet
+    # simulator). Register and Join are retried like their blocking twins
+    # (under `retry`); a heartbeat is one attempt (the next beat is the retry).
+
+    async def register_node_async(
+        self, *, job_name: str, node_name: str, local_world_size: int, host: str = ""
+    ) -> nodes_pb2.RegisterNodeResponse:
+        request = nodes_pb2.RegisterNodeRequest(
+            job_name=job_name, node_name=node_name, local_world_size=local_world_size, host=host
+        )
+        stub = nodes_pb2_grpc.NodesStub(self._io().channel)
+        return await self._await_with_retries(
+            "Register",
+            lambda: stub.Register(request, timeout=self.timeout_s, metadata=self._metadata),
+        )
+
+    async def join_rendezvous_async(
+        self,
+        *,
+        node_id: str,
+        incarnation: int,
+        local_world_size: int,
+        host: str,
+        bootstrap_port: int,
+        timeout_s: float = 900.0,
+        keeper_address: str = "",
+    ) -> rendezvous_pb2.JoinResponse:
+        request = join_request(
+            node_id, incarnation, local_world_size, host, bootstrap_port, keeper_address
+        )
+        stub = self._io().rendezvous
+        return await self._await_with_retries(
+            "Join", lambda: stub.Join(request, timeout=timeout_s, metadata=self._metadata)
+        )
+
+    async def heartbeat_async(self, node_id: str, incarnation: int) -> nodes_pb2.HeartbeatResponse:
+        request = nodes_pb2.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
+        stub = nodes_pb2_grpc.NodesStub(self._io().channel)
+        try:
+            return await stub.Heartbeat(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_status(error.code(), error.details() or "") from None
+
+    async def _await_with_retries(
+        self, name: str, attempt_once: Callable[[], Awaitable[Resp]]
+    ) -> Resp:
+        """`_with_retries` for a call awaited on the loop."""
+        attempts = _Attempts(name, self.target, self.retry)
+        while True:
+            try:
+                return await attempt_once()
+            except grpc.RpcError as error:
+                pause = attempts.failed(error)
+            await asyncio.sleep(pause)
+
     def heartbeat(self, node_id: str, incarnation: int) -> nodes_pb2.HeartbeatResponse:
         request = nodes_pb2.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
         return self._call("Heartbeat", self._nodes.Heartbeat, request)
@@ -409,27 +496,43 @@ class MasterClient:
     def _with_retries(self, name: str, attempt_once: Callable[[], Resp]) -> Resp:
         """Run `attempt_once` until it succeeds, a non-transient error ends it,
         or the retry budget is spent (then `Unavailable`, naming the cause)."""
-        started = time.monotonic()
-        last: grpc.RpcError | None = None
-        for attempt in range(self.retry.attempts):
+        attempts = _Attempts(name, self.target, self.retry)
+        while True:
             try:
                 return attempt_once()
             except grpc.RpcError as error:
-                code = error.code()
-                if code not in _RETRYABLE:
-                    raise error_from_status(code, error.details() or "") from None
-                last = error
-            elapsed = time.monotonic() - started
-            pause = self.retry.backoff(attempt)
-            if attempt + 1 >= self.retry.attempts or elapsed + pause > self.retry.total_budget_s:
-                break
-            _log.debug("%s to %s failed (%s); retrying in %.2fs", name, self.target, last, pause)
+                pause = attempts.failed(error)
             time.sleep(pause)
-        assert last is not None
-        raise Unavailable(
-            f"{name} to master {self.target} failed after {attempt + 1} attempts over "
-            f"{time.monotonic() - started:.1f}s: {last.code().name}: {last.details()}"
+
+
+class _Attempts:
+    """One call's attempts under a `RetryPolicy`: after each failure, how long
+    to wait before the next, or the error that ends the call."""
+
+    def __init__(self, name: str, target: str, policy: RetryPolicy) -> None:
+        self._name = name
+        self._target = target
+        self._policy = policy
+        self._started = time.monotonic()
+        self._done = 0
+
+    def failed(self, error: grpc.RpcError) -> float:
+        code = error.code()
+        if code not in _RETRYABLE:
+            raise error_from_status(code, error.details() or "") from None
+        policy = self._policy
+        pause = policy.backoff(self._done)
+        self._done += 1
+        elapsed = time.monotonic() - self._started
+        if self._done >= policy.attempts or elapsed + pause > policy.total_budget_s:
+            raise Unavailable(
+                f"{self._name} to master {self._target} failed after {self._done} attempts "
+                f"over {elapsed:.1f}s: {code.name}: {error.details()}"
+            ) from None
+        _log.debug(
+            "%s to %s failed (%s); retrying in %.2fs", self._name, self._target, error, pause
         )
+        return pause
 
 
 class _SharedLoop:
@@ -473,6 +576,7 @@ class _IoLoop:
             return shards_pb2_grpc.ShardsStub(self._channel)
 
         self.stub = self.run(connect())
+        self.channel = self._channel
         self.rendezvous: rendezvous_pb2_grpc.RendezvousAsyncStub = (
             rendezvous_pb2_grpc.RendezvousStub(self._channel)
         )
@@ -616,6 +720,10 @@ class AgentSession:
         self.metrics: rendezvous_pb2.NodeMetrics | None = None
         # Set by the agent once its workers run `dlfleet.elastic.run`.
         self.restarts_in_place = False
+        # When the last heartbeat went out (time.monotonic()), 0 before the first.
+        self.last_beat_s = 0.0
+        self._silent = False
+        self._beats: asyncio.Future[None] | None = None
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
 
@@ -623,7 +731,7 @@ class AgentSession:
         attempt = 0
         while True:
             call = self._io.rendezvous.Session(metadata=self._client._metadata)
-            beats = asyncio.ensure_future(self._beat(call))
+            beats = self._beats = asyncio.ensure_future(self._beat(call))
             try:
                 async for event in call:
                     attempt = 0
@@ -663,8 +771,19 @@ class AgentSession:
             )
             if self.metrics is not None:
                 message.metrics.CopyFrom(self.metrics)
+            if self._silent:
+                return
             await call.write(message)
+            self.last_beat_s = time.monotonic()
             await asyncio.sleep(self.interval)
+
+    def silence(self) -> None:
+        """Stop heartbeating but keep the stream open: what the master sees of
+        an agent that hangs, or of a link that drops its packets (the fleet
+        simulator's partition). Call it on `io_loop`."""
+        self._silent = True
+        if self._beats is not None:
+            self._beats.cancel()
 
     def close(self) -> None:
         """End the session (the master then treats the node as gone unless it

@@ -306,3 +306,41 @@ RendezvousMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None
 )
 TestRendezvousMachine = RendezvousMachine.TestCase
+
+
+def test_below_min_nodes_the_next_deadline_is_the_join_timeout_not_a_passed_last_call() -> None:
+    # A last call that is over cannot form a round below min_nodes: the timer
+    # must sleep until the join timeout, not spin on a deadline in the past.
+    r = rdzv(min_nodes=3, max_nodes=4, join_timeout_ms=60_000)
+    join(r, "a", 0)
+    join(r, "b", 100)
+    assert r.next_deadline() == 60_000
+    assert formed(r.tick(100 + LAST_CALL)) is None
+    join(r, "c", 5_000)
+    assert r.next_deadline() == 5_000 + LAST_CALL
+
+
+def test_a_dropped_latest_joiner_moves_the_last_call_back_to_the_one_before() -> None:
+    r = rdzv(min_nodes=1, max_nodes=4)
+    join(r, "a", 0)
+    join(r, "b", 500)
+    r.remove("b", "died", 600)
+    assert r.next_deadline() == LAST_CALL
+    assert formed(r.tick(LAST_CALL)) is not None
+
+
+def test_a_round_of_thousands_forms_once_every_survivor_is_back() -> None:
+    nodes = [f"n{i}" for i in range(3_000)]
+    r = rdzv(min_nodes=2_000, max_nodes=3_000)
+    for i, node in enumerate(nodes):
+        join(r, node, i)
+    first = r.state.active
+    assert first is not None and first.member("n2999") is not None
+    assert formed(r.remove("n7", "died", 4_000)) is None
+    survivors = [n for n in nodes if n != "n7"]
+    for node in survivors[:-1]:
+        assert formed(join(r, node, 5_000)) is None
+    again = formed(join(r, survivors[-1], 5_000))
+    assert again is not None and len(again.members) == 2_999
+    # Survivors keep their order: n8 moves up into n7's rank.
+    assert [m.node_id for m in again.members[6:9]] == ["n6", "n8", "n9"]

@@ -26,6 +26,7 @@ same `apply` replays the journal after a master restart. Time is `now_ms`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,16 +80,18 @@ class Round:
     bootstrap_host: str
     bootstrap_port: int
     formed_ms: int
+    # node id -> member: every joiner of a 10,000-node round looks itself up.
+    _by_node: dict[str, Member] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_node", {m.node_id: m for m in self.members})
 
     @property
     def world_size(self) -> int:
         return len(self.members)
 
     def member(self, node_id: str) -> Member | None:
-        for member in self.members:
-            if member.node_id == node_id:
-                return member
-        return None
+        return self._by_node.get(node_id)
 
     def local_world_sizes(self) -> tuple[int, ...]:
         return tuple(m.local_world_size for m in self.members)
@@ -180,6 +183,65 @@ class RendezvousState:
     dropped: dict[str, str] = field(default_factory=dict)  # node -> why, until it joins again
     closed_reason: str = ""
     finished: set[str] = field(default_factory=set)  # members of the active round
+    # How many of `expected` are in `waiting`, and the join times of `waiting`
+    # as heaps (earliest; latest, negated) whose stale entries are skipped
+    # when they surface: so that a join costs O(log N), not a scan of the
+    # thousands already waiting.
+    # (The heaps are an index, not state: no fields, so a replayed state
+    # compares equal whatever stale entries either one holds.)
+    expected_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        self._earliest: list[tuple[int, str]] = [(p.joined_ms, n) for n, p in self.waiting.items()]
+        self._latest: list[tuple[int, str]] = [(-p.joined_ms, n) for n, p in self.waiting.items()]
+        heapq.heapify(self._earliest)
+        heapq.heapify(self._latest)
+
+    def add_waiting(self, participant: Participant) -> None:
+        node_id = participant.node_id
+        if node_id not in self.waiting and node_id in self.expected:
+            self.expected_waiting += 1
+        self.waiting.pop(node_id, None)
+        self.waiting[node_id] = participant
+        heapq.heappush(self._earliest, (participant.joined_ms, node_id))
+        heapq.heappush(self._latest, (-participant.joined_ms, node_id))
+
+    def remove_waiting(self, node_id: str) -> None:
+        if self.waiting.pop(node_id, None) is not None and node_id in self.expected:
+            self.expected_waiting -= 1
+        if not self.waiting:
+            self._earliest.clear()
+            self._latest.clear()
+        elif len(self._earliest) > 4 * len(self.waiting) + 64:
+            # Mostly stale entries: rebuild (amortised O(1) per removal).
+            self._earliest = [(p.joined_ms, n) for n, p in self.waiting.items()]
+            self._latest = [(-p.joined_ms, n) for n, p in self.waiting.items()]
+            heapq.heapify(self._earliest)
+            heapq.heapify(self._latest)
+
+    def set_expected(self, expected: set[str]) -> None:
+        self.expected = expected
+        self.expected_waiting = sum(1 for n in expected if n in self.waiting)
+
+    def first_join_ms(self) -> int:
+        """The earliest join time of the waiting nodes (some must wait)."""
+        return self._top(self._earliest, 1)
+
+    def last_join_ms(self) -> int:
+        """The latest join time of the waiting nodes (some must wait)."""
+        return -self._top(self._latest, -1)
+
+    def _top(self, heap: list[tuple[int, str]], sign: int) -> int:
+        while True:
+            key, node_id = heap[0]
+            participant = self.waiting.get(node_id)
+            if participant is not None and participant.joined_ms * sign == key:
+                return key
+            heapq.heappop(heap)
+
+    def everyone_back(self) -> bool:
+        """Every node expected after a closed round is waiting again."""
+        return bool(self.expected) and self.expected_waiting == len(self.expected)
 
 
 class Rendezvous:
@@ -262,6 +324,8 @@ class Rendezvous:
             self._emit(events, formed)
             return events
         timeout = self.settings.join_timeout_ms
+        if not state.waiting or now_ms - state.first_join_ms() < timeout:
+            return events
         for participant in list(state.waiting.values()):
             if now_ms - participant.joined_ms >= timeout:
                 why = (
@@ -277,12 +341,16 @@ class Rendezvous:
         state = self.state
         if state.active is not None or not state.waiting:
             return None
-        last_join = max(p.joined_ms for p in state.waiting.values())
-        first_join = min(p.joined_ms for p in state.waiting.values())
-        return min(
-            last_join + self.settings.last_call_timeout_ms,
-            first_join + self.settings.join_timeout_ms,
+        join_timeout = state.first_join_ms() + self.settings.join_timeout_ms
+        settings = self.settings
+        size = (
+            min(len(state.waiting), settings.max_nodes) // settings.node_unit * settings.node_unit
         )
+        if size < settings.min_nodes:
+            # No last call can end in a round yet: a deadline already past
+            # would have the timer spin until the next join.
+            return join_timeout
+        return min(state.last_join_ms() + settings.last_call_timeout_ms, join_timeout)
 
     # --------------------------------------------------------------- queries
 
@@ -311,17 +379,16 @@ class Rendezvous:
         state = self.state
         if isinstance(event, NodeJoined):
             participant = event.participant
-            state.waiting.pop(participant.node_id, None)
-            state.waiting[participant.node_id] = participant
+            state.add_waiting(participant)
             state.dropped.pop(participant.node_id, None)
         elif isinstance(event, NodeDropped):
-            state.waiting.pop(event.node_id, None)
+            state.remove_waiting(event.node_id)
             state.expected.discard(event.node_id)
             state.dropped[event.node_id] = event.reason
         elif isinstance(event, RoundClosed):
             assert state.active is not None and state.active.round == event.round
             state.previous_ranks = {m.node_id: m.group_rank for m in state.active.members}
-            state.expected = set(event.expected) | set(state.waiting)
+            state.set_expected(set(event.expected) | set(state.waiting))
             state.active = None
             state.closed_reason = event.reason
             state.finished = set()
@@ -335,9 +402,9 @@ class Rendezvous:
             )  # fmt: skip
             state.last_round = event.round
             state.finished = set()
+            state.set_expected(set())
             for member in event.members:
-                state.waiting.pop(member.node_id, None)
-            state.expected = set()
+                state.remove_waiting(member.node_id)
         else:
             raise AssertionError(f"unknown rendezvous event {event!r}")
 
@@ -354,18 +421,17 @@ class Rendezvous:
 
     def _decide_round(self, now_ms: int) -> RoundFormed | None:
         state, settings = self.state, self.settings
-        joined = list(state.waiting.values())
-        count = len(joined)
+        count = len(state.waiting)
         if count < settings.min_nodes:
             return None
-        everyone_back = bool(state.expected) and state.expected <= set(state.waiting)
-        last_join = max(p.joined_ms for p in joined)
-        last_call_over = now_ms - last_join >= settings.last_call_timeout_ms
+        everyone_back = state.everyone_back()
+        last_call_over = now_ms - state.last_join_ms() >= settings.last_call_timeout_ms
         if count < settings.max_nodes and not everyone_back and not last_call_over:
             return None
         size = min(count, settings.max_nodes) // settings.node_unit * settings.node_unit
         if size < settings.min_nodes:
             return None
+        joined = list(state.waiting.values())
         # Previous members first, keeping their order; then newcomers by join time.
         ranked = sorted(
             joined,

@@ -69,6 +69,7 @@ SERVICE_NAMES = (
     "dlfleet.api.v1.Checkpoints",
     "dlfleet.api.v1.NodeCheck",
 )
+MAX_PENDING_CALLS = 100_000
 _HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
 
@@ -473,6 +474,15 @@ class MasterServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
                 ("grpc.http2.max_ping_strikes", 0),
+                # Calls that arrived before the loop took them: gRPC refuses
+                # those past 1,000 (RESOURCE_EXHAUSTED), which a fleet of
+                # thousands joining at once exceeds. Room for every node's
+                # session and join, a few times over.
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                # ... and cancels those still untaken after 30 s (a burst of
+                # thousands of joins on a busy loop): a join waits minutes anyway.
+                ("grpc.server_max_unrequested_time_in_server", 600),
             ],
         )
         shards_pb2_grpc.add_ShardsServicer_to_server(
