@@ -89,21 +89,14 @@ def _checks(report: JobReport) -> list[str]:
         return []
     lines = ["", "node checks (the latest per node; x = times the median of the others):"]
     for check in report.node_checks:
-        measured = []
-        if check.compute_ms > 0:
-            ratio = (
-                f" ({check.compute_ms / check.compute_reference_ms:.2f}x)"
-                if check.compute_reference_ms > 0
-                else ""
+        measured = [
+            f"{what} {ms:.{digits}f} ms" + (f" ({ms / reference:.2f}x)" if reference > 0 else "")
+            for what, ms, reference, digits in (
+                ("matmul", check.compute_ms, check.compute_reference_ms, 1),
+                ("all-reduce", check.pair_ms, check.pair_reference_ms, 2),
             )
-            measured.append(f"matmul {check.compute_ms:.1f} ms{ratio}")
-        if check.pair_ms > 0:
-            ratio = (
-                f" ({check.pair_ms / check.pair_reference_ms:.2f}x)"
-                if check.pair_reference_ms > 0
-                else ""
-            )
-            measured.append(f"all-reduce {check.pair_ms:.2f} ms{ratio}")
+            if ms > 0
+        ]
         verdict = f"faulty ({check.rule})" if check.faulty else "healthy"
         lines.append(f"  {check.node}: {verdict}; {', '.join(measured) or 'nothing measured'}")
     return lines

@@ -74,3 +74,14 @@ def assert_same(actual: Any, expected: Any) -> None:
             assert_same(a, e)
     else:
         assert actual == expected
+
+
+def template_like(state: dict[str, Any]) -> dict[str, Any]:
+    """The same structure with every tensor zeroed and every other value blanked."""
+    if isinstance(state, dict):
+        return {k: template_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, list):
+        return [template_like(v) for v in state]
+    return None

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from unit.checkpoint.states import assert_same, sharded_images, training_state
+from unit.checkpoint.states import assert_same, sharded_images, template_like, training_state
 
 from dlfleet.worker.checkpoint.errors import (
     ImageChangedError,
@@ -39,17 +39,6 @@ def image_of(directory: Path, state: dict[str, Any], step: int = 1) -> LocalImag
     with ImageWriter(directory, rank=0) as writer:
         saved = writer.write(step, state, round=0, world_size=1, protect=None)
     return LocalImage(saved.header_path)
-
-
-def template_like(state: dict[str, Any]) -> dict[str, Any]:
-    """The same structure with every tensor zeroed and every other value blanked."""
-    if isinstance(state, dict):
-        return {k: template_like(v) for k, v in state.items()}
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, list):
-        return [template_like(v) for v in state]
-    return None
 
 
 def test_a_persisted_image_loads_with_plain_dcp_load(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from unit.checkpoint.states import assert_same
+from unit.checkpoint.states import assert_same, template_like
 
 from dlfleet.worker.checkpoint.errors import RestoreError
 from dlfleet.worker.checkpoint.files import ItemKind
@@ -84,12 +84,7 @@ def test_the_nodes_images_restore_whole_into_any_world(
     saved = state()
     images = striped_images(tmp_path, saved, world=2, local=2)
     assert_same(load_full(images, rank=rank, world_size=world), saved)
-    template = {
-        "model": {"w": torch.zeros(ROWS, saved["model"]["w"].shape[1]), "b": torch.zeros(ROWS)},
-        "optim": {"exp_avg": torch.zeros_like(saved["optim"]["exp_avg"])},
-        "rng": torch.zeros_like(saved["rng"]),
-        "step": 0,
-    }
+    template = template_like(saved)
     restore_into(template, images, rank=rank, world_size=world)
     assert_same(template, saved)
 
@@ -113,20 +108,10 @@ def test_two_nodes_hold_a_copy_each_and_the_first_nodes_parts_are_persisted(
         write_part(image, root)
     folder = finish(step_folder(root, 3), world_size=4, round=1, timeout=5)
     assert_same(load_persisted_full(folder), saved)  # no template: nothing is a DTensor
-    template: dict[str, Any] = {
-        "model": {"w": torch.zeros_like(saved["model"]["w"]), "b": torch.zeros(ROWS)},
-        "optim": {"exp_avg": torch.zeros_like(saved["optim"]["exp_avg"])},
-        "rng": torch.zeros_like(saved["rng"]),
-        "step": 0,
-    }
+    template = template_like(saved)
     load_persisted(template, folder)
     assert_same(template, saved)
-    plain: dict[str, Any] = {
-        "model": {"w": torch.zeros_like(saved["model"]["w"]), "b": torch.zeros(ROWS)},
-        "optim": {"exp_avg": torch.zeros_like(saved["optim"]["exp_avg"])},
-        "rng": torch.zeros_like(saved["rng"]),
-        "step": 0,
-    }
+    plain = template_like(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is unavailable ...": on purpose
         dcp_load(plain, checkpoint_id=folder)  # standard tools read it

@@ -210,9 +210,6 @@ class Agent:
         self._envs: list[dict[str, str]] = []
         self._spares_due = 0.0
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
-        # The most steps a rank of this node reported, over all its attempts
-        # (None: none reported any; for `before_first_step` rules).
-        self._steps_seen: int | None = None
         self.helper: CheckHelper | None = None
         self._warm_start_due = False
 
@@ -313,7 +310,7 @@ class Agent:
         node (the job fails, the node is replaced or relaunched bigger) or
         restart in place while restarts last."""
         failure = phase.failure
-        self._note_steps()
+        steps = self.sampler.read_steps() if self.sampler is not None else None
         facts = FailureFacts(
             exit_code=failure.exit_code,
             signal=failure.signal_name or "",
@@ -323,7 +320,7 @@ class Agent:
             oom_killed=failure.oom_killed,
             hung=failure.hung,
             previous_exception=self._previous_exception,
-            steps=self._steps_seen,
+            steps=steps,
             ranks=self.config.nproc_per_node,
             ranks_alike=failure.ranks_alike,
         )
@@ -418,9 +415,10 @@ class Agent:
                     pid, self._run_order(assignment, local_rank, phase.restart_count)
                 )
         self._spares_due = time.monotonic() + SPARE_DELAY_S
-        peak = self.sampler.peak_rss if self.sampler is not None else 0
+        before = self.sampler
         self.sampler = NodeSampler(self.progress_dir, self.group.pids)
-        self.sampler.peak_rss = peak
+        if before is not None:  # over the node's attempts
+            self.sampler.peak_rss, self.sampler.most_steps = before.peak_rss, before.most_steps
         self._sampled_at = time.monotonic()
         return Running(assignment, phase.restart_count)
 
@@ -660,15 +658,6 @@ class Agent:
             return
         self._sampled_at = time.monotonic()
         self.session.metrics = self.sampler.sample()
-        self._note_steps()
-
-    def _note_steps(self) -> None:
-        """Keep the most steps any rank reported (its progress file, which a
-        rank removes between epochs: read once per heartbeat and on failure)."""
-        for local_rank in range(self.config.nproc_per_node):
-            counts = read_counts(str(self.progress_dir / str(local_rank)))
-            if counts is not None:
-                self._steps_seen = max(self._steps_seen or 0, counts[0])
 
     def _hung_rank(self) -> WorkerFailure | None:
         """The watchdog: a rank that stepped once, then not for step_timeout."""

@@ -76,10 +76,23 @@ class NodeSampler:
         self.progress_dir = progress_dir
         self.pids = list(pids)
         self.peak_rss = 0
+        # The most steps a rank reported (None: none reported any), for the
+        # diagnosis of a failure before the first step; carried over by the agent.
+        self.most_steps: int | None = None
         self.limit = memory_limit_bytes()
         self._at = time.monotonic()
         self._cpu = self._cpu_total()
         self._counts = self._read_counts()
+
+    def read_steps(self) -> int | None:
+        """Read the progress files again (at a failure) and return `most_steps`."""
+        self._note_steps(self._read_counts())
+        return self.most_steps
+
+    def _note_steps(self, counts: Sequence[tuple[int, int] | None]) -> None:
+        for count in counts:
+            if count is not None:
+                self.most_steps = max(self.most_steps or 0, count[0])
 
     def _cpu_total(self) -> dict[int, float]:
         return {pid: _cpu_seconds(pid) for root in self.pids for pid in descendants(root)}
@@ -96,6 +109,7 @@ class NodeSampler:
         rss = sum(_rss_bytes(pid) for pid in cpu)
         self.peak_rss = max(self.peak_rss, rss)
         counts = self._read_counts()
+        self._note_steps(counts)
         step_rates, samples, step_times = [], 0.0, []
         for before, after in zip(self._counts, counts, strict=True):
             if before is None or after is None or after[0] < before[0]:

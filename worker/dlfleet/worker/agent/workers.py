@@ -286,6 +286,7 @@ class WorkerGroup:
         self._started = False
         self._failure: WorkerFailure | None = None
         self._first_failed_at: float | None = None  # monotonic: when a rank was first seen failed
+        self._described: dict[int, WorkerFailure] = {}  # by pid: an exit is final
         self._final: GroupState | None = None
         self._oom_kills_at_start = oom_kill_count()
 
@@ -374,6 +375,7 @@ class WorkerGroup:
         """The group goes on in a new round: earlier failures are history."""
         self._failure = None
         self._first_failed_at = None
+        self._described = {}
 
     def start(
         self,
@@ -500,7 +502,7 @@ class WorkerGroup:
         return GroupState(GroupStatus.RUNNING, codes)
 
     def _first_failure(self, failed: Iterable[_Worker]) -> WorkerFailure:
-        failures = [self._describe(w) for w in failed]
+        failures = [self._description(w) for w in failed]
         first = min(
             failures,
             key=lambda f: (f.timestamp if f.timestamp is not None else float("inf"), f.local_rank),
@@ -508,6 +510,13 @@ class WorkerGroup:
         said = _said(first)
         alike = sum(1 for f in failures if said and _said(f) == said)
         return dataclasses.replace(first, ranks_alike=max(1, alike))
+
+    def _description(self, worker: _Worker) -> WorkerFailure:
+        """`_describe`, once per exit: polls repeat while the other ranks are waited for."""
+        known = self._described.get(worker.proc.pid)
+        if known is None:
+            known = self._described[worker.proc.pid] = self._describe(worker)
+        return known
 
     def _describe(self, worker: _Worker) -> WorkerFailure:
         code = worker.proc.returncode

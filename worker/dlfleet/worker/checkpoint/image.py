@@ -433,8 +433,10 @@ def _plan(
             data = tensor
             value = flat[item.index.fqn]
             cut = _cut(item, tensor, stripe) if not isinstance(value, DTensor) else None
-            if cut is not None:
-                data, record = cut[0], _striped_record(item, cut[0], offset, cut[1], rank, stripe)
+            if cut is not None and stripe is not None:
+                # The first node's parts are the ones a persist writes.
+                data, start = cut
+                record = _tensor_record(item, data, offset, rank < stripe.local_world, start)
             else:
                 record = _tensor_record(item, data, offset, _is_primary(value, rank))
         planned.append(_Planned(record, data))
@@ -443,13 +445,20 @@ def _plan(
     return planned, paths
 
 
-def _tensor_record(item: WriteItem, data: torch.Tensor, offset: int, primary: bool) -> ItemRecord:
+def _tensor_record(
+    item: WriteItem, data: torch.Tensor, offset: int, primary: bool, start: int | None = None
+) -> ItemRecord:
+    """The record of a tensor item; with `start`, of `data` as the rows from
+    `start` on of the planned tensor (a part cut by `Stripe`)."""
     meta = item.tensor_data
     assert meta is not None and meta.chunk is not None  # DCP sets both for tensor items
-    if tuple(data.shape) != tuple(meta.chunk.sizes):
+    chunk_offsets, chunk_sizes = tuple(meta.chunk.offsets), tuple(meta.chunk.sizes)
+    if start is not None:
+        chunk_offsets, chunk_sizes = (start, *chunk_offsets[1:]), tuple(data.shape)
+    if tuple(data.shape) != chunk_sizes:
         raise CheckpointError(
             f"{item.index.fqn}: local tensor of shape {tuple(data.shape)} does not match its "
-            f"planned chunk {tuple(meta.chunk.sizes)}"
+            f"planned chunk {chunk_sizes}"
         )
     if data.device.type == "meta":
         raise CheckpointError(f"{item.index.fqn} is a meta tensor: it has no data to save")
@@ -457,12 +466,12 @@ def _tensor_record(item: WriteItem, data: torch.Tensor, offset: int, primary: bo
         fqn=item.index.fqn,
         kind=ItemKind.SHARD if item.type == WriteItemType.SHARD else ItemKind.TENSOR,
         offset=offset,
-        length=math.prod(meta.chunk.sizes) * data.element_size(),
+        length=math.prod(chunk_sizes) * data.element_size(),
         primary=primary,
         dtype=dtype_name(meta.properties.dtype),
         size=tuple(meta.size),
-        chunk_offsets=tuple(meta.chunk.offsets),
-        chunk_sizes=tuple(meta.chunk.sizes),
+        chunk_offsets=chunk_offsets,
+        chunk_sizes=chunk_sizes,
         requires_grad=meta.properties.requires_grad,
     )
 
@@ -483,30 +492,6 @@ def _cut(
         return None
     start, end = stripe.rows(tensor.shape[0])
     return tensor.narrow(0, start, end - start), start
-
-
-def _striped_record(
-    item: WriteItem, part: torch.Tensor, offset: int, start: int, rank: int, stripe: Stripe | None
-) -> ItemRecord:
-    """The record of this rank's rows of a plain tensor: a chunk, like a
-    shard's; the first node's parts are the ones a persist writes."""
-    assert stripe is not None
-    meta = item.tensor_data
-    assert meta is not None  # DCP sets it for tensor items
-    if part.device.type == "meta":
-        raise CheckpointError(f"{item.index.fqn} is a meta tensor: it has no data to save")
-    return ItemRecord(
-        fqn=item.index.fqn,
-        kind=ItemKind.TENSOR,
-        offset=offset,
-        length=part.numel() * part.element_size(),
-        primary=rank < stripe.local_world,
-        dtype=dtype_name(meta.properties.dtype),
-        size=tuple(meta.size),
-        chunk_offsets=(start, *([0] * (part.dim() - 1))),
-        chunk_sizes=tuple(part.shape),
-        requires_grad=meta.properties.requires_grad,
-    )
 
 
 def _is_primary(value: object, rank: int) -> bool:
