@@ -36,7 +36,8 @@ def settings(**rdzv: int) -> MasterSettings:
 class Agent:
     """A minimal agent: registered, with a session, able to join."""
 
-    def __init__(self, address: str, name: str, lws: int = 1) -> None:
+    def __init__(self, address: str, name: str, lws: int = 1, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.client = MasterClient(address, token=TOKEN, timeout_s=5)
         reg = self.client.register_node(job_name="job", node_name=name, local_world_size=lws)
         self.node_id, self.incarnation, self.lws = reg.node_id, reg.incarnation, lws
@@ -47,7 +48,7 @@ class Agent:
             node_id=self.node_id,
             incarnation=self.incarnation,
             local_world_size=self.lws,
-            host="127.0.0.1",
+            host=self.host,
             bootstrap_port=port,
             timeout_s=20,
         )
@@ -69,8 +70,8 @@ def join_all(agents: list[Agent]) -> list[rendezvous_pb2.JoinResponse]:
 def agents() -> Any:
     made: list[Agent] = []
 
-    def make(address: str, name: str, lws: int = 1) -> Agent:
-        made.append(Agent(address, name, lws))
+    def make(address: str, name: str, lws: int = 1, host: str = "127.0.0.1") -> Agent:
+        made.append(Agent(address, name, lws, host))
         return made[-1]
 
     yield make
@@ -227,3 +228,40 @@ def test_the_round_and_node_table_survive_a_master_restart(
     a.client.report_worker_failure(
         rendezvous_pb2.FailureReport(node_id=a.node_id, incarnation=a.incarnation, round=1)
     )
+
+
+def test_network_failures_naming_one_node_in_two_rounds_make_it_a_suspect(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """c's link is bad: a's and b's workers lose their connections to c
+    (gloo names c's address), c's worker names a. Once two closed rounds
+    blamed c, the master's status names it as a network suspect."""
+    master = start_master(settings(min_nodes=3, max_nodes=3))
+    a, b, c = (agents(master.address, n, host=f"10.9.0.{i + 1}") for i, n in enumerate("abc"))
+
+    def fail(agent: Agent, round_: int, peer: Agent) -> None:
+        agent.client.report_worker_failure(
+            rendezvous_pb2.FailureReport(
+                node_id=agent.node_id,
+                incarnation=agent.incarnation,
+                round=round_,
+                exit_code=1,
+                message="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                f"Connection closed by peer [{peer.host}]:40213",
+                category="network",
+                rule="network",
+                action="restart",
+            )
+        )
+
+    seen = []
+    for _ in range(3):
+        round_ = join_all([a, b, c])[0].round
+        seen.append([s.node_id for s in master.client.master_status().network_suspects])
+        fail(a, round_, c)
+        fail(b, round_, c)
+        fail(c, round_, a)
+    assert seen == [[], [], [c.node_id]]
+    suspect = master.client.master_status().network_suspects[0]
+    assert list(suspect.rounds) == [1, 2]
+    assert "named it in rounds 1, 2" in suspect.reason

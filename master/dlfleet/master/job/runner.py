@@ -174,6 +174,10 @@ class JobRunner:
         # The latest node check verdict of each node (by name), as the master
         # gave it: kept here, where a master restart does not forget it.
         self.checks: dict[str, NodeCheckVerdict] = {}
+        # Nodes being retired as network suspects: name -> why (they are stopped
+        # first, then marked faulty when they exit).
+        self.retiring: dict[str, str] = {}
+        self._suspects_seen: set[str] = set()
         self._interrupted = asyncio.Event()
 
     # ------------------------------------------------------------------ run
@@ -296,6 +300,7 @@ class JobRunner:
         except DlfleetError:
             self.master_up = False
         self._note_checks()
+        self._note_suspects()
 
     def _note_checks(self) -> None:
         for verdict in self.view.node_checks:
@@ -305,6 +310,40 @@ class JobRunner:
                 self.checks[name] = verdict
                 if self.brain is not None:
                     self.brain.node_checked(name, verdict)
+
+    def _note_suspects(self) -> None:
+        """A node the network failures of the others keep pointing at
+        (dlfleet.master.core.suspicion) is retired and replaced by a fresh one,
+        while relaunches last; without one it stays (a flaky node is better
+        than none)."""
+        if self.platform is None or self.result is not None:
+            return
+        for suspect in self.view.network_suspects:
+            if suspect.node_id in self._suspects_seen:
+                continue
+            self._suspects_seen.add(suspect.node_id)
+            name = suspect.node_id.rpartition("#")[0]
+            running = [n for n in self.platform.active if n.name == name]
+            if not running or running[0].state is not NodeState.RUNNING:
+                continue
+            if self.relaunches_left <= 0:
+                _log.warning(
+                    "%s is suspect (%s), but no relaunch is left to replace it",
+                    name, suspect.reason,
+                )  # fmt: skip
+                continue
+            self.relaunches_left -= 1
+            node, why = running[0], f"network suspect: {suspect.reason}"
+            self.retiring[name] = why
+            self.platform.stop_node(node)
+            if node.state is NodeState.STOPPED:  # it had no process: retired at once
+                del self.retiring[name]
+                node.state, node.detail = NodeState.FAULTY, why
+            fresh = self.platform.add_node()
+            _log.warning(
+                "%s: %s: retiring it, replaced by %s (%d relaunches left)",
+                name, suspect.reason, fresh.name, self.relaunches_left,
+            )  # fmt: skip
 
     def _watch_master(self) -> None:
         """A master that died is started again at once, on the same address
@@ -430,8 +469,7 @@ class JobRunner:
             else:
                 self.brain.node_ended(node, code, reason, lost)
         if node.state is NodeState.STOPPING:
-            node.state = NodeState.STOPPED
-            _log.info("%s left as asked (%s)", node.name, how)
+            self._on_stopped(node, how)
             return
         if code == 0 and not reason:
             node.state = NodeState.SUCCEEDED
@@ -491,6 +529,17 @@ class JobRunner:
             return
         node.state = NodeState.FAILED
         self._finish(1, f"{node.name}: dlworker ended with {how}; {self.platform.log_hint(node)}")
+
+    def _on_stopped(self, node: Node, how: str) -> None:
+        """A node the runner stopped has exited: it left as asked, or it was
+        retired (a network suspect)."""
+        why = self.retiring.pop(node.name, "")
+        if why:
+            node.state, node.detail = NodeState.FAULTY, why
+            _log.warning("%s retired (%s): %s", node.name, how, why)
+            return
+        node.state = NodeState.STOPPED
+        _log.info("%s left as asked (%s)", node.name, how)
 
     def _replace_faulty(self, node: Node, why: str) -> None:
         """Retire `node` at once (no relaunch on the same machine) and start a

@@ -154,10 +154,17 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self, request: rendezvous_pb2.FailureReport, context: Any
     ) -> rendezvous_pb2.ReportFailureResponse:
         self.state.nodes.live(request.node_id, request.incarnation)
+        members: dict[str, str] = {}
         if request.round:
-            self.state.rendezvous.check_member(request.node_id, request.round)
+            active = self.state.rendezvous.check_member(request.node_id, request.round)
+            members = {member.node_id: member.host for member in active.members}
         if request.local_rank < 0:
             raise InvalidArgument(f"local_rank must be >= 0, got {request.local_rank}")
+        named: tuple[str, ...] = ()
+        if members:
+            named = self.state.suspicion.failed(
+                request.round, request.node_id, request.category, request.message, members
+            )
         self.failures.append(request)
         self.membership.metrics.worker_failed(request)
         self.membership.timeline.record(
@@ -177,6 +184,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             message=request.message.strip().splitlines()[-1][:500]
             if request.message.strip()
             else "",
+            **({"names": list(named)} if named else {}),
         )
         _log.error(
             "worker failed on %s (round %d, local rank %d, exit %d%s): %s",

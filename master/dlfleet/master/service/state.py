@@ -37,6 +37,7 @@ from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
 from dlfleet.master.core.node_check import NodeCheckBoard, NodeCheckSettings
 from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, RendezvousSettings
 from dlfleet.master.core.shards import ShardBook, ShardSettings
+from dlfleet.master.core.suspicion import SUSPECT_AFTER_ROUNDS, NetworkSuspicion
 from dlfleet.master.store.base import StateStore, StoreError
 from dlfleet.master.store.groupcommit import GroupCommitter
 
@@ -62,6 +63,9 @@ class MasterSettings:
     # hundred bytes); a snapshot holds `keep_steps` steps of every rank.
     checkpoints_compact_every: int = 2_000
     node_check: NodeCheckSettings = field(default_factory=NodeCheckSettings)
+    # Closed rounds whose network failures must blame a node before it is a
+    # suspect (dlfleet.master.core.suspicion).
+    network_suspect_rounds: int = SUSPECT_AFTER_ROUNDS
 
 
 class MasterState:
@@ -78,6 +82,9 @@ class MasterState:
         # The pre-flight node check: in memory only, a fresh board (and id) per
         # master process; nodes mid-check when the master restarts start over.
         self.node_checks = NodeCheckBoard(settings.node_check, check_id=secrets.token_hex(6))
+        # Which node the network failures point at: in memory only (after a
+        # master restart, the counting starts over).
+        self.suspicion = NetworkSuspicion(settings.network_suspect_rounds)
         self._store = store
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()

@@ -61,6 +61,13 @@ def master_status(
     status.failures.extend(failures)
     status.checkpoints.CopyFrom(wire.checkpoint_status_to_wire(state.checkpoints.status()))
     status.node_checks.extend(wire.verdict_to_wire(v) for v in state.node_checks.verdicts.values())
+    # A round counts once a newer one formed (its survivors reported before rejoining).
+    for suspect in state.suspicion.suspects(state.rendezvous.state.last_round):
+        status.network_suspects.append(
+            job_pb2.NetworkSuspect(
+                node_id=suspect.node_id, rounds=suspect.rounds, reason=suspect.describe()
+            )
+        )
     return status
 
 
