@@ -125,10 +125,16 @@ def test_a_crash_after_a_checkpointed_step_loses_nothing(make_job: Any) -> None:
 
 
 def test_a_node_killed_shrinks_the_world_then_a_new_node_grows_it_back(make_job: Any) -> None:
-    job = make_job(["--sleep-per-step", "0.1"], relaunch_delay_s=6.0, max_node_relaunches=1)
+    # The survivor restarts cold (a process, torch, gloo): seconds on a loaded
+    # machine, so the replacement comes late enough for it to train alone first.
+    job = make_job(["--sleep-per-step", "0.1"], relaunch_delay_s=12.0, max_node_relaunches=1)
     job.start()
+    # The agent's pid first: `dlmaster status` is a process start, seconds on a
+    # loaded machine, and the job could finish meanwhile.
+    job.wait_for(lambda: job.node_pid("node-1") > 0, "node-1 started")
+    agent = job.node_pid("node-1")
     job.wait_for(lambda: job.steps_logged() >= 2 * 10, "10 steps of 2 ranks")
-    os.kill(job.node_pid("node-1"), signal.SIGKILL)  # the agent; its worker dies with it
+    os.kill(agent, signal.SIGKILL)  # its worker dies with it
     job.succeed()
     worlds = job.worlds()
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds

@@ -149,6 +149,36 @@ def test_an_image_of_every_rank_commits_the_step_and_is_replicated_to_the_peer(
     assert b.keeper.find(3, 0) is not None and a.keeper.find(3, 1) is not None
 
 
+def test_a_save_is_answered_once_every_ranks_image_of_its_step_is_on_two_nodes(
+    nodes: tuple[Running, Node, Node],
+) -> None:
+    """Each node's answer waits for the other node's copy too, which this
+    node learns only from the master: once a save is answered, losing any one
+    node loses no image of its step."""
+    import threading
+
+    master, a, b = nodes
+    seen: dict[tuple[str, int], bool] = {}
+
+    def saving(node: Node, rank: int, other_rank: int, name: str, step: int) -> None:
+        save(node, rank, step)
+        seen[(name, step)] = node.keeper.find(step, other_rank) is not None  # the peer's copy
+
+    for step in (4, 5, 6):
+        threads = [
+            threading.Thread(target=saving, args=(a, 0, 1, "a", step)),
+            threading.Thread(target=saving, args=(b, 1, 0, "b", step)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(15)
+        answers = {name: seen.get((name, step)) for name in "ab"}
+        assert answers == {"a": True, "b": True}, f"step {step}: a replica was missing"
+        status = master.client.checkpoint_status()
+        assert (status.committed_step, status.replicated_step) == (step, step)
+
+
 def test_an_image_fetched_from_the_peer_is_the_saved_image_byte_for_byte(
     nodes: tuple[Running, Node, Node],
 ) -> None:

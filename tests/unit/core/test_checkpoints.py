@@ -81,6 +81,29 @@ def test_a_step_is_committed_only_once_every_rank_saved_its_own_image() -> None:
     assert latest is not None and (latest.step, latest.round, latest.world_size) == (10, 1, 2)
 
 
+def test_a_step_is_replicated_once_every_ranks_image_is_also_on_a_second_node() -> None:
+    table = CheckpointTable()
+    table.report(report("n0", 10, [own(0, "n0")]))
+    answer, _ = table.report(report("n1", 10, [own(1, "n1")]))
+    assert (answer.committed_step, answer.replicated_step) == (10, NONE)
+    answer, _ = table.report(report("n1", 10, [replica(0, "n1")]))
+    assert answer.replicated_step == NONE  # rank 1's image is on n1 only
+    answer, _ = table.report(report("n0", 10, [replica(1, "n0")]))
+    assert answer.replicated_step == 10
+    assert table.status().replicated_step == 10
+    # Losing a node later does not undo it (like a commit), and the snapshot keeps it.
+    table.node_gone("n1")
+    installed = CheckpointTable()
+    installed.install(table.to_dict())
+    assert installed.replicated_step() == 10
+
+
+def test_a_step_saved_on_one_node_needs_no_replica_to_count_as_replicated() -> None:
+    table = CheckpointTable()
+    answer, _ = table.report(report("n0", 3, [own(0, "n0"), own(1, "n0")]))
+    assert (answer.committed_step, answer.replicated_step) == (3, 3)
+
+
 def test_latest_lists_each_ranks_own_copies_before_its_replicas() -> None:
     table = CheckpointTable()
     save(table, 5)

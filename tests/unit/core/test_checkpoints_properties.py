@@ -6,6 +6,8 @@ steps, and after every step checks the invariants of
 
 - `latest()` is committed (every rank's own image was reported in its round)
   and has a copy of every rank, none on a gone node, own copies first;
+- the replicated step is the newest committed one whose every rank also had a
+  replica reported, or whose own images all came from one node;
 - a stale report (an older round) changes nothing;
 - no record of an older round sits at or above a step a newer round saved;
 - the table stays within `keep_steps`, and its per-rank counts match its copies;
@@ -46,6 +48,9 @@ class CheckpointTableMachine(RuleBasedStateMachine):
         self.gone: set[str] = set()
         # Ranks whose own image was accepted, per (round, step): the model of "committed".
         self.saved: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+        # ... and ranks with an accepted replica, nodes with an accepted own image.
+        self.replicas: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+        self.savers: defaultdict[tuple[int, int], set[str]] = defaultdict(set)
         self.newest_round = 0
         # (round, step) of every accepted report that saved copies.
         self.saves: list[tuple[int, int]] = []
@@ -110,8 +115,13 @@ class CheckpointTableMachine(RuleBasedStateMachine):
             self.newest_round = max(self.newest_round, round_)
             self.saves.append((round_, step))
             for copy in images.values():
-                if not copy.replica and copy.node_id not in self.gone:
+                if copy.node_id in self.gone:
+                    continue
+                if copy.replica:
+                    self.replicas[(round_, step)].add(copy.rank)
+                else:
                     self.saved[(round_, step)].add(copy.rank)
+                    self.savers[(round_, step)].add(copy.node_id)
 
     @rule(name=st.sampled_from(NAMES))
     def lose_node(self, name: str) -> None:
@@ -160,6 +170,21 @@ class CheckpointTableMachine(RuleBasedStateMachine):
             earlier = self.table.latest(before)
             if before > 0:  # 0 asks for any step
                 assert earlier is None or earlier.step < before
+
+    @invariant()
+    def the_replicated_step_is_the_newest_committed_one_on_two_nodes(self) -> None:
+        expected = -1
+        for step, record in self.table.records.items():
+            key = (record.round, step)
+            ranks = set(range(record.world_size))
+            if self.saved[key] >= ranks and (
+                len(self.savers[key]) <= 1 or self.replicas[key] >= ranks
+            ):
+                expected = max(expected, step)
+        assert self.table.replicated_step() == expected
+        assert self.table.status().replicated_step == expected
+        assert expected <= self.table.committed_step()
+        event("replicated" if expected >= 0 else "nothing replicated")
 
     @invariant()
     def no_older_round_sits_at_or_above_a_newer_rounds_step(self) -> None:

@@ -6,9 +6,14 @@ table keeps one record per step: the round that saved it, that round's world
 size, and the copies reported per rank (node, own or replica, address, size).
 
 - A step is *committed* once every rank 0..world_size-1 has had its own copy
-  reported (a later loss of copies does not undo that), and *restorable* while
-  it is committed and every rank has at least one copy on a node that is not
-  gone. `latest` answers the newest restorable step.
+  reported (a later loss of copies does not undo that), *replicated* once it
+  is committed and every rank has also had a replica reported (when the
+  ranks saved on more than one node: losing any one node then loses no
+  image of it), and *restorable* while it is committed and every rank has at
+  least one copy on a node that is not gone. `latest` answers the newest
+  restorable step. Agents hold a save's answer until its step is replicated
+  (bounded), so that a rank finishing step s+1 knows step s survives the loss
+  of any one node.
 - Lineage: a step belongs to one round. A report of round R for step s abandons
   every record (and the persisted step) of an older round at a step >= s: a
   restore went back before them, so they are a future that will not happen.
@@ -79,6 +84,7 @@ class CheckpointReport:
 class ReportAnswer:
     committed_step: int  # NONE when no step is committed
     stale: bool
+    replicated_step: int = NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,7 @@ class CheckpointStatusView:
     bytes_held: int
     persisted_step: int
     persisted_path: str
+    replicated_step: int = NONE
 
 
 # ------------------------------------------------------------------- state
@@ -121,11 +128,21 @@ class StepRecord:
     world_size: int
     by_node: dict[str, dict[tuple[int, bool], ImageCopy]] = field(default_factory=dict)
     saved: set[int] = field(default_factory=set)  # ranks whose own copy was ever reported
+    savers: set[str] = field(default_factory=set)  # nodes that ever reported an own copy
+    replicated: set[int] = field(default_factory=set)  # ranks whose replica was ever reported
     holders: Counter[int] = field(default_factory=Counter)  # copies per rank, > 0
 
     @property
     def committed(self) -> bool:
         return len(self.saved) == self.world_size
+
+    @property
+    def safe(self) -> bool:
+        """Committed, and no single node's loss could take every copy of a
+        rank's image (a round of one node has no peer to copy to)."""
+        if not self.committed:
+            return False
+        return len(self.savers) <= 1 or len(self.replicated) == self.world_size
 
     @property
     def restorable(self) -> bool:
@@ -143,8 +160,11 @@ class StepRecord:
         if (copy.rank, copy.replica) not in held:
             self.holders[copy.rank] += 1
         held[(copy.rank, copy.replica)] = copy
-        if not copy.replica:
+        if copy.replica:
+            self.replicated.add(copy.rank)
+        else:
             self.saved.add(copy.rank)
+            self.savers.add(copy.node_id)
 
     def remove_node(self, node_id: str) -> None:
         for copy in self.by_node.pop(node_id, {}).values():
@@ -179,7 +199,7 @@ class CheckpointTable:
         validate_report(report)
         self._check_world(report.step, report.round, report.world_size)
         if report.node_id in self.gone or self._stale(report.round, report.step):
-            return ReportAnswer(self.committed_step(), stale=True), []
+            return self._answer(stale=True), []
         events: list[CheckpointEvent] = []
         copies = tuple(c for c in report.copies if c.node_id not in self.gone)
         if copies and not self._hopeless(report.step):
@@ -196,7 +216,10 @@ class CheckpointTable:
                 self._bound(events)
         if report.dropped_below > 0 and self._holds_below(report.node_id, report.dropped_below):
             self._emit(events, CopiesDropped(report.node_id, report.dropped_below))
-        return ReportAnswer(self.committed_step(), stale=False), events
+        return self._answer(stale=False), events
+
+    def _answer(self, *, stale: bool) -> ReportAnswer:
+        return ReportAnswer(self.committed_step(), stale, self.replicated_step())
 
     def report_persisted(self, persisted: PersistedStep) -> list[CheckpointEvent]:
         """A step written to disk. Only the newest of the lineage is kept:
@@ -255,6 +278,9 @@ class CheckpointTable:
     def committed_step(self) -> int:
         return max((s for s, r in self.records.items() if r.committed), default=NONE)
 
+    def replicated_step(self) -> int:
+        return max((s for s, r in self.records.items() if r.safe), default=NONE)
+
     def restorable_step(self) -> int:
         return max((s for s, r in self.records.items() if r.restorable), default=NONE)
 
@@ -266,6 +292,7 @@ class CheckpointTable:
             bytes_held=sum(c.size for r in self.records.values() for c in r.copies()),
             persisted_step=persisted.step if persisted is not None else NONE,
             persisted_path=persisted.path if persisted is not None else "",
+            replicated_step=self.replicated_step(),
         )
 
     # ------------------------------------------------------- snapshot form
@@ -279,6 +306,8 @@ class CheckpointTable:
                     "round": r.round,
                     "world_size": r.world_size,
                     "saved": sorted(r.saved),
+                    "savers": sorted(r.savers),
+                    "replicated": sorted(r.replicated),
                     "copies": [dataclasses.asdict(c) for c in sorted(r.copies(), key=_key)],
                 }
                 for _, r in sorted(self.records.items())
@@ -295,7 +324,11 @@ class CheckpointTable:
             record = StepRecord(r["step"], r["round"], r["world_size"])
             for copy in r["copies"]:
                 record.add(ImageCopy(**copy))
-            record.saved = set(r["saved"])  # ranks whose copies were lost since count too
+            # Ranks and nodes whose copies were lost since count too (snapshots
+            # written before "savers"/"replicated" existed: what the copies say).
+            record.saved = set(r["saved"])
+            record.savers = set(r.get("savers", record.savers))
+            record.replicated = set(r.get("replicated", record.replicated))
             self.records[record.step] = record
         self.newest_round = data["newest_round"]
         self.gone = dict.fromkeys(data["gone"])

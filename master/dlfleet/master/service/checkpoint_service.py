@@ -49,7 +49,9 @@ class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):
         self.state.nodes.live(request.node_id, request.incarnation)
         answer, events = self.state.checkpoints.report(report)
         await self._persist(events)
-        return checkpoint_pb2.CheckpointReportResponse(committed_step=answer.committed_step)
+        return checkpoint_pb2.CheckpointReportResponse(
+            committed_step=answer.committed_step, replicated_step=answer.replicated_step
+        )
 
     @rpc
     async def Latest(

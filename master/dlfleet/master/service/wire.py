@@ -213,6 +213,7 @@ def checkpoint_status_to_wire(view: CheckpointStatusView) -> checkpoint_pb2.Chec
         bytes_held=view.bytes_held,
         persisted_step=view.persisted_step,
         persisted_path=view.persisted_path,
+        replicated_step=view.replicated_step,
     )
 
 

@@ -12,7 +12,12 @@ worker tells the agent (`Keeper.Saved`); the agent then
 - copies the newest image of each local rank to the next node of the round
   (a ring over the group ranks), newest first and skipping steps it has no
   time for: a replica may lag, it is never half-written. The peer keeps it in
-  `<root>/replicas/<node>` (two slots per rank) and reports it as a replica.
+  `<root>/replicas/<node>` (two slots per rank) and reports it as a replica;
+- answers the worker once the step is committed and *replicated* (every
+  rank's image of it, on every node, has a copy on a second node; the master
+  keeps that count too), bounded in time. The worker's next save waits for
+  that answer, so a rank that finished step s+1 knows the loss of any one
+  node loses no image of step s: a failure costs at most one step.
 
 `Fetch` serves any image this node holds, own or replica. Images are shipped
 as opaque bytes: the agent imports no torch.
@@ -33,6 +38,7 @@ import queue
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +59,8 @@ SHM_ENV = "DLFLEET_SHM_DIR"  # where the agent's folder goes (default /dev/shm)
 PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header included
 REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
-REPLICA_WAIT_S = 0.25  # and then for its copy on the peer node
+REPLICA_WAIT_S = 1.0  # and then for every rank's copy on a second node
+REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
 _OWNER_FILE = "owner"
 _FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -118,8 +125,10 @@ class ImageKeeper:
         self._lock = threading.Lock()
         self._commits = threading.Condition(self._lock)
         self._committed = -1
+        self._replicated_step = -1  # the master's word, as last heard
         self._own: dict[int, _Held] = {}  # newest own image per rank
         self._peer: str | None = None
+        self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
         self._reports: queue.Queue[_Held | None] = queue.Queue()
         self._replicate = threading.Event()
         self._replicated: dict[tuple[str, int], int] = {}  # (peer, rank) -> step sent
@@ -186,17 +195,55 @@ class ImageKeeper:
         self._replicate.set()
         # The worker's next save waits for this answer (in the background of
         # its training step): answer once the step is committed (at most
-        # COMMIT_WAIT_S) and copied to the peer node, so that losing this node
-        # loses at most this step (at most REPLICA_WAIT_S more: a large image
+        # COMMIT_WAIT_S) and replicated, so that losing any one node loses at
+        # most the next step (at most REPLICA_WAIT_S more: a large image
         # replicates at the network's pace, and training must not).
         with self._commits:
             self._commits.wait_for(lambda: self._committed >= header.step, COMMIT_WAIT_S)
-            self._commits.wait_for(lambda: self._replicated_to_peer(header), REPLICA_WAIT_S)
-            return checkpoint_pb2.SavedAck(committed_step=self._committed)
+        self._wait_replicated(header.step, time.monotonic() + REPLICA_WAIT_S)
+        return checkpoint_pb2.SavedAck(committed_step=self.committed)
 
-    def _replicated_to_peer(self, header: files.ImageHeader) -> bool:
+    def _wait_replicated(self, step: int, deadline: float) -> None:
+        """Until the master counts `step` replicated, or `deadline`. The
+        answers this node hears anyway (its reports, the replicas it receives,
+        the acks of those it sends) usually tell; once this node's own copies
+        are out and the word is still missing (another node's report came
+        last), the master is asked every REPLICA_POLL_S."""
+        while True:
+            with self._commits:
+                if self._peer is None or self._replicated_step >= step:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._commits.wait_for(
+                    lambda: self._peer is None or self._replicated_step >= step,
+                    min(left, REPLICA_POLL_S),
+                )
+                ask = self._replicated_step < step and self._own_copies_out(step)
+            if ask and time.monotonic() < deadline:
+                try:
+                    heard = self._client.checkpoint_status().replicated_step
+                except DlfleetError as exc:
+                    _log.debug("checkpoint status not answered: %s", exc)
+                    continue
+                self._heard(heard)
+
+    def _own_copies_out(self, step: int) -> bool:
+        """This node's images of `step` (or newer) are all on the peer."""
         peer = self._peer
-        return peer is None or self._replicated.get((peer, header.rank), -1) >= header.step
+        return peer is not None and all(
+            self._replicated.get((peer, rank), -1) >= step
+            for rank, held in self._own.items()
+            if held.header.step >= step
+        )
+
+    def _heard(self, replicated_step: int) -> None:
+        """The master's word on the newest replicated step (not a maximum: a
+        restore abandons the steps after it)."""
+        with self._commits:
+            self._replicated_step = replicated_step
+            self._commits.notify_all()
 
     def _report_loop(self) -> None:
         while True:
@@ -222,7 +269,9 @@ class ImageKeeper:
 
     def _report(
         self, step: int, round_: int, world: int, images: list[_Held], *, replica: bool
-    ) -> None:
+    ) -> int:
+        """Tell the master; the newest replicated step it answers (-1: none,
+        or no answer)."""
         copies = [
             checkpoint_pb2.ImageCopy(
                 rank=held.header.rank,
@@ -246,12 +295,14 @@ class ImageKeeper:
             answer = self._client.report_checkpoint(report)
         except DlfleetError as exc:
             _log.warning("checkpoint report of step %d not taken: %s", step, exc)
-            return
+            return -1
         with self._commits:
             # The master's word, not a maximum: a restore abandons the steps after
             # it, and the commits of the round that failed go with them.
             self._committed = answer.committed_step
+            self._replicated_step = answer.replicated_step
             self._commits.notify_all()
+        return answer.replicated_step
 
     def _oldest_held(self) -> int:
         steps = [image.header.step for image in files.list_images(self.own_dir)]
@@ -278,37 +329,53 @@ class ImageKeeper:
             if peer is None:
                 continue
             for held in todo:
-                if self._send_replica(peer, held):
-                    with self._commits:
-                        self._replicated[(peer, held.header.rank)] = held.header.step
-                        self._commits.notify_all()
+                ack = self._send_replica(peer, held)
+                if ack is None:
+                    continue
+                with self._commits:
+                    self._replicated[(peer, held.header.rank)] = held.header.step
+                    self._commits.notify_all()
+                if ack.replicated_step >= 0:
+                    self._heard(ack.replicated_step)
 
-    def _send_replica(self, peer: str, held: _Held) -> bool:
+    def _peer_channel(self, peer: str) -> grpc.Channel:
+        """One channel per peer, kept while the peer stays (a connection per
+        replica cost more than a small image's copy)."""
+        with self._lock:
+            current = self._channel
+            if current is not None and current[0] == peer:
+                return current[1]
+            channel = grpc.insecure_channel(peer)
+            self._channel = (peer, channel)
+        if current is not None:
+            current[1].close()
+        return channel
+
+    def _send_replica(self, peer: str, held: _Held) -> checkpoint_pb2.ReplicateAck | None:
         try:
             header, body = files.read_image_bytes(held.header_path)
         except (OSError, CheckpointError) as exc:
             # Overwritten by a newer save meanwhile: that one is queued next.
             _log.debug("image of rank %d not replicated: %s", held.header.rank, exc)
-            return False
+            return None
         decoded = files.decode_header(header)
-        with grpc.insecure_channel(peer) as channel:
-            stub = checkpoint_pb2_grpc.KeeperStub(channel)
-            try:
-                stub.Replicate(
-                    _pieces(decoded, header, body, self.node_id),
-                    metadata=self._metadata,
-                    timeout=max(30.0, len(body) / 50e6),
-                )
-            except grpc.RpcError as exc:
-                _log.warning(
-                    "replica of rank %d step %d to %s failed: %s",
-                    decoded.rank,
-                    decoded.step,
-                    peer,
-                    exc.code().name,
-                )
-                return False
-        return True
+        stub = checkpoint_pb2_grpc.KeeperStub(self._peer_channel(peer))
+        try:
+            ack: checkpoint_pb2.ReplicateAck = stub.Replicate(
+                _pieces(decoded, header, body, self.node_id),
+                metadata=self._metadata,
+                timeout=max(30.0, len(body) / 50e6),
+            )
+        except grpc.RpcError as exc:
+            _log.warning(
+                "replica of rank %d step %d to %s failed: %s",
+                decoded.rank,
+                decoded.step,
+                peer,
+                exc.code().name,
+            )
+            return None
+        return ack
 
     def receive(self, pieces: Iterator[checkpoint_pb2.ImagePiece]) -> checkpoint_pb2.ReplicateAck:
         first = next(pieces, None)
@@ -336,14 +403,14 @@ class ImageKeeper:
         tmp = header_path.with_name(header_path.name + ".tmp")
         tmp.write_bytes(files.encode_header(renamed))
         tmp.replace(header_path)
-        self._report(
+        replicated_step = self._report(
             header.step,
             header.round,
             header.world_size,
             [_Held(header_path, renamed)],
             replica=True,
         )
-        return checkpoint_pb2.ReplicateAck(bytes=received)
+        return checkpoint_pb2.ReplicateAck(bytes=received, replicated_step=replicated_step)
 
     @staticmethod
     def _replica_slot(folder: Path, rank: int) -> int:
@@ -380,6 +447,10 @@ class ImageKeeper:
         self._replicate.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        with self._lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel[1].close()
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
 

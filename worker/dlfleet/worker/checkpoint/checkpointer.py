@@ -107,7 +107,7 @@ class Checkpointer:
         persist_every: int = 0,
         persist_dir: str | Path | None = None,
         keep_persisted: int = 2,
-        commit_wait_s: float = 2.0,
+        commit_wait_s: float = 3.0,
         stripe_replicated: bool = True,
     ) -> None:
         if persist_every < 0:
@@ -208,9 +208,12 @@ class Checkpointer:
         return self._writer
 
     def _wait_for_commit(self, step: int) -> None:
-        """Before a slot is reused: the previous save's step is committed (all
-        ranks saved it), so the image it replaces is not the newest committed
-        one. Bounded: a save never waits longer than `commit_wait_s`."""
+        """Before a slot is reused: the agent has answered for the previous
+        save's step, which it does once the step is committed (all ranks saved
+        it: the image this one replaces is not the newest committed one) and
+        replicated (every rank's image is on two nodes: losing one node now
+        loses at most the step being saved). Bounded: a save never waits
+        longer than `commit_wait_s` (the agent's own bounds are shorter)."""
         if step < 0 or self._agent is None:
             return
         self._wait(lambda: self._committed >= step or self._announced >= step, self.commit_wait_s)
