@@ -224,6 +224,10 @@ class Fleet:
                 raise BenchError(f"{len(errors)} nodes failed to join, e.g. {errors[0]}")
             if len(rounds) == 1 and len(members) == world:
                 pushed = min(s[3] for s in members)
+                say(
+                    f"    (round {members[0][0]}: pushes reached the survivors over "
+                    f"{max(s[3] for s in members) - pushed:.3f} s)"
+                )
                 return members[0][0], pushed, max(s[2] for s in members)
             if time.monotonic() > deadline:
                 raise BenchError(
@@ -243,7 +247,7 @@ def master_argv(
         "--min-nodes", str(nodes - lost - 1 if nodes - lost > 1 else 1),
         "--max-nodes", str(nodes),
         "--heartbeat-interval", str(args.interval), "--heartbeat-timeout", str(args.timeout),
-        "--last-call-timeout", "30", "--log-level", "WARNING",
+        "--last-call-timeout", "30", "--log-level", args.master_log_level,
     ]  # fmt: skip
 
 
@@ -471,6 +475,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], l
     parser.add_argument(
         "--profile", help="a folder: the master runs under cProfile, a file a phase"
     )
+    parser.add_argument("--keep-logs", action="store_true", help="the master's and agents' logs")
+    parser.add_argument(
+        "--master-log-level", default="WARNING", help="INFO: rounds formed and closed, timed"
+    )
     parser.add_argument("--c10d-reps", type=int, default=3, help="c10d runs at 128 (0: none)")
     args = parser.parse_args(argv)
     if args.sizes:
@@ -506,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         say(f"logs kept in {workdir}")
         raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    if args.keep_logs:
+        say(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     table(levels, args)
     goals(levels, args)
     say(f"(the bench took {time.monotonic() - started:.0f} s)")
