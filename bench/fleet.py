@@ -57,10 +57,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import BenchError, ServerProcess, exit_on_sigterm, free_port, kill_group, say
+from _common import (
+    BenchError,
+    ServerProcess,
+    cpu_seconds,
+    exit_on_sigterm,
+    free_port,
+    kill_group,
+    say,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = Path(__file__).resolve().parent / "_fleet_agents.py"
+PROFILED = Path(__file__).resolve().parent / "_profiled.py"
 PYTHON = Path(sys.executable)
 SIZES = (128, 1000, 4000, 10000)
 QUICK_SIZES = (128, 1000)
@@ -90,6 +99,9 @@ class Level:
     nodes: int
     setup_s: float = 0.0
     formation_s: float = 0.0
+    # CPU seconds during formation: the master's, and the simulators' together.
+    form_master_cpu_s: float = 0.0
+    form_sims_cpu_s: float = 0.0
     cpu_share: float = 0.0
     hb_p50_ms: float = 0.0
     hb_p99_ms: float = 0.0
@@ -153,6 +165,12 @@ class AgentProc:
         text = self.log.read_text(encoding="utf-8", errors="replace").splitlines()
         return f"{self.log}:\n" + "\n".join(text[-10:])
 
+    def cpu_seconds(self) -> float:
+        try:
+            return cpu_seconds(self.proc.pid)
+        except OSError:
+            return 0.0
+
     def kill(self) -> None:
         with suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -206,6 +224,10 @@ class Fleet:
                 raise BenchError(f"{len(errors)} nodes failed to join, e.g. {errors[0]}")
             if len(rounds) == 1 and len(members) == world:
                 pushed = min(s[3] for s in members)
+                say(
+                    f"    (round {members[0][0]}: pushes reached the survivors over "
+                    f"{max(s[3] for s in members) - pushed:.3f} s)"
+                )
                 return members[0][0], pushed, max(s[2] for s in members)
             if time.monotonic() > deadline:
                 raise BenchError(
@@ -225,7 +247,7 @@ def master_argv(
         "--min-nodes", str(nodes - lost - 1 if nodes - lost > 1 else 1),
         "--max-nodes", str(nodes),
         "--heartbeat-interval", str(args.interval), "--heartbeat-timeout", str(args.timeout),
-        "--last-call-timeout", "30", "--log-level", "WARNING",
+        "--last-call-timeout", "30", "--log-level", args.master_log_level,
     ]  # fmt: skip
 
 
@@ -266,10 +288,12 @@ def start_fleet(fleet: Fleet, target: str, level: Level) -> list[tuple[int, int]
     return layout
 
 
-def form(fleet: Fleet, level: Level) -> int:
+def form(fleet: Fleet, server: ServerProcess, level: Level) -> int:
     """Every node joins from one instant; the round, validated."""
     nodes = fleet.nodes
     t0 = time.monotonic() + 0.5
+    master0 = server.cpu_seconds()
+    sims0 = sum(proc.cpu_seconds() for proc in fleet.procs)
     for proc in fleet.procs:
         proc.send(f"GO {t0!r}")
     try:
@@ -281,6 +305,8 @@ def form(fleet: Fleet, level: Level) -> int:
             f"not formed by the cap: {sum(1 for s in states if s[0])} nodes in a round, "
             f"{len(errors)} joins failed{', e.g. ' + errors[0] if errors else ''}"
         ) from None
+    level.form_master_cpu_s = server.cpu_seconds() - master0
+    level.form_sims_cpu_s = sum(proc.cpu_seconds() for proc in fleet.procs) - sims0
     joined = [j for reply in replies for j in reply]
     errors = [j[6] for j in joined if j[6]]
     if errors:
@@ -338,14 +364,26 @@ def lose(fleet: Fleet, layout: list[tuple[int, int]], round_: int, level: Level)
     return round_
 
 
+def cut_profile(server: ServerProcess, args: argparse.Namespace) -> None:
+    """With --profile: the master writes the profile of the phase just done."""
+    if args.profile:
+        os.kill(server.proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+
+
 def run_level(store: str, nodes: int, args: argparse.Namespace, workdir: Path) -> Level:
     level = Level(store, nodes)
     url, drop = fresh_store(store, workdir, nodes)
     fleet = Fleet(args, workdir, store, nodes)
     port = free_port()
+    argv = master_argv(port, url, nodes, args, fleet.token)
+    if args.profile:
+        # The same master under cProfile; a profile per phase (see _profiled.py).
+        prefix = Path(args.profile).resolve() / f"master-{store}-{nodes}"
+        argv = [str(PYTHON), str(PROFILED), str(prefix), *argv[3:]]
     server = ServerProcess(
         "dlmaster",
-        master_argv(port, url, nodes, args, fleet.token),
+        argv,
         workdir / f"master-{store}-{nodes}.log",
         f"listening on 127.0.0.1:{port}",
     )
@@ -353,9 +391,12 @@ def run_level(store: str, nodes: int, args: argparse.Namespace, workdir: Path) -
         server.wait_ready(port, 60.0)
         target = f"127.0.0.1:{port}"
         layout = start_fleet(fleet, target, level)
-        round_ = form(fleet, level)
+        round_ = form(fleet, server, level)
+        cut_profile(server, args)
         steady(fleet, server, target, level)
+        cut_profile(server, args)
         lose(fleet, layout, round_, level)
+        cut_profile(server, args)
         return level
     finally:
         for proc in fleet.procs:
@@ -431,6 +472,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], l
     parser.add_argument("--settle", type=float, default=5.0, help="s before the window (5)")
     parser.add_argument("--window", type=float, default=15.0, help="steady-state window s (15)")
     parser.add_argument("--cap", type=float, default=300.0, help="s any one phase may take")
+    parser.add_argument(
+        "--profile", help="a folder: the master runs under cProfile, a file a phase"
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="the master's and agents' logs")
+    parser.add_argument(
+        "--master-log-level", default="WARNING", help="INFO: rounds formed and closed, timed"
+    )
     parser.add_argument("--c10d-reps", type=int, default=3, help="c10d runs at 128 (0: none)")
     args = parser.parse_args(argv)
     if args.sizes:
@@ -458,13 +506,18 @@ def main(argv: list[str] | None = None) -> int:
                 levels.append(level)
                 say(
                     f"  {store} N={nodes}: formed in {level.formation_s:.3f} s "
-                    f"(setup {level.setup_s:.1f} s), CPU {level.cpu_share:.2f}, "
+                    f"(setup {level.setup_s:.1f} s; CPU s in it: master "
+                    f"{level.form_master_cpu_s:.2f}, simulators {level.form_sims_cpu_s:.2f}), "
+                    f"CPU {level.cpu_share:.2f}, "
                     f"hb p99 {level.hb_p99_ms:.1f} ms, RSS {level.rss_mb:.0f} MB"
                 )
     except BaseException:
         say(f"logs kept in {workdir}")
         raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    if args.keep_logs:
+        say(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     table(levels, args)
     goals(levels, args)
     say(f"(the bench took {time.monotonic() - started:.0f} s)")

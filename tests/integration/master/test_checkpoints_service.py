@@ -249,7 +249,7 @@ def test_persisted_steps_show_in_the_status_newest_first(master: Running) -> Non
     assert status.restorable_step == -1
 
 
-def test_join_tells_every_member_the_keeper_addresses_by_group_rank(master: Running) -> None:
+def test_join_tells_each_member_the_next_keeper_by_group_rank(master: Running) -> None:
     client = master.client
     (a,) = register(client, "a")
     reply = client.join_rendezvous(
@@ -261,8 +261,10 @@ def test_join_tells_every_member_the_keeper_addresses_by_group_rank(master: Runn
         timeout_s=10,
         keeper_address="127.0.0.1:7123",
     )
-    assert list(reply.keeper_addresses) == ["127.0.0.1:7123"]
-    assert list(reply.node_ids) == [a[0]]
+    assert reply.keeper_peer == ""  # its own Keeper is no peer
+    state = client.rendezvous_state()
+    assert list(state.keeper_addresses) == ["127.0.0.1:7123"]
+    assert list(state.members) == [a[0]]
 
 
 # ----------------------------------------------------------------- refusals

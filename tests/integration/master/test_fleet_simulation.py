@@ -34,7 +34,10 @@ def test_a_thousand_simulated_nodes_form_lose_one_percent_and_form_again(
 ) -> None:
     from dlfleet.api.client import MasterClient
 
-    args = argparse.Namespace(procs=2, interval=1.0, timeout=3.0, cap=60.0, settle=0, window=0)
+    args = argparse.Namespace(
+        procs=2, interval=1.0, timeout=3.0, cap=60.0, settle=0, window=0,
+        master_log_level="WARNING", profile=None,
+    )  # fmt: skip
     level = fleet.Level("sqlite", NODES)
     sim = fleet.Fleet(args, tmp_path, "sqlite", NODES)
     port = free_port()
@@ -50,7 +53,7 @@ def test_a_thousand_simulated_nodes_form_lose_one_percent_and_form_again(
         server.wait_ready(port, 60.0)
         target = f"127.0.0.1:{port}"
         layout = fleet.start_fleet(sim, target, level)
-        round_ = fleet.form(sim, level)  # validates: one round, N nodes, ranks 0..N-1
+        round_ = fleet.form(sim, server, level)  # validates: one round, N nodes, ranks 0..N-1
         with MasterClient(target, token=sim.token) as client:
             status = client.master_status()
         assert status.round == round_ and status.round_nodes == NODES

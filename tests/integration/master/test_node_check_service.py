@@ -129,7 +129,7 @@ def test_a_node_slow_on_the_wire_is_found_and_shown_in_status_events_and_metrics
         assert {c.node_id: c.rule for c in status.node_checks} == {
             "node-0#1": "healthy", "node-1#1": "pairs_slow", "node-2#1": "healthy",
         }  # fmt: skip
-        document = job_status(master.state, [], {}, 0)
+        document = job_status(master.state, [], None, 0)
         by_name = {n.name: n for n in document.nodes}
         check = by_name["node-1"].check
         assert check.rule == "pairs_slow"

@@ -87,17 +87,23 @@ def test_joins_block_until_the_round_forms_and_agree_on_it(
     results = join_all(nodes)
     assert {r.round for r in results} == {1}
     assert sorted(r.group_rank for r in results) == [0, 1, 2]
-    # Ranks follow the join order, which concurrent joins do not fix: every
-    # node must see the same order, and each node's own size in it.
+    # Ranks follow the join order, which concurrent joins do not fix: each
+    # node's place (its global ranks) must be where the round's order, as
+    # GetState lists it, puts it.
     lws_of = {n.node_id: i + 1 for i, n in enumerate(nodes)}
-    order = list(results[0].node_ids)
+    state = master.client.rendezvous_state()
+    assert state.round == 1
+    order = list(state.members)
     assert sorted(order) == sorted(lws_of)
-    for r in results:
+    assert list(state.local_world_sizes) == [lws_of[node] for node in order]
+    for node, r in zip(nodes, results, strict=True):
+        assert order[r.group_rank] == node.node_id
         assert r.group_world_size == 3
-        assert list(r.node_ids) == order
-        assert list(r.local_world_sizes) == [lws_of[node] for node in order]
+        assert r.world_size == 6
+        assert r.local_world_size == lws_of[node.node_id]
+        assert r.rank_offset == sum(lws_of[n] for n in order[: r.group_rank])
+        assert r.keeper_peer == ""
         assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, 29500)
-    assert master.client.rendezvous_state().round == 1
 
 
 def test_a_dead_agents_session_closes_the_round_and_the_survivor_hears_at_once(

@@ -58,8 +58,8 @@ def config(path: Path | str, nproc: int = 2, **kw: object) -> AgentConfig:
 
 def environments(cfg: AgentConfig, log_dir: Path) -> list[dict[str, str]]:
     """This node is group rank 1 of (1, nproc, 2) processes."""
-    sizes = (1, cfg.nproc_per_node, 2)
-    assignment = RoundAssignment(ROUND, 1, 3, sizes, "127.0.0.1", 29555)
+    nproc = cfg.nproc_per_node
+    assignment = RoundAssignment(ROUND, 1, 3, 3 + nproc, nproc, 1, "127.0.0.1", 29555)
     return worker_environments(
         cfg,
         assignment,

@@ -9,15 +9,17 @@ import dataclasses
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from dlfleet.api.errors import InvalidArgument, StaleError
 from dlfleet.master.core.rendezvous import (
+    Member,
     NodeDropped,
     Rendezvous,
     RendezvousEvent,
     RendezvousSettings,
+    Round,
     RoundClosed,
     RoundFormed,
     global_ranks,
@@ -178,6 +180,32 @@ def test_global_ranks_are_prefix_sums_of_local_world_sizes() -> None:
     assert round_ is not None
     assert [list(global_ranks(round_, n)) for n in "abc"] == [[0, 1], [2], [3, 4, 5]]
     assert (round_.bootstrap_host, round_.bootstrap_port) == ("host-a", 1001)
+
+
+def ring(keepers: list[str]) -> Round:
+    members = tuple(Member(f"n{i}", i, 1 + i % 2, "h", k) for i, k in enumerate(keepers))
+    return Round(1, members, "h", 1, 0)
+
+
+def ring_peer_by_scan(keepers: list[str], rank: int) -> str:
+    """The rule, plainly: the next rank after `rank`, cyclically, with a Keeper."""
+    n = len(keepers)
+    return next((keepers[(rank + h) % n] for h in range(1, n) if keepers[(rank + h) % n]), "")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["", "", "k1", "k2", "k3"]), min_size=1, max_size=12))
+def test_each_member_copies_to_the_next_keeper_by_group_rank(keepers: list[str]) -> None:
+    round_ = ring(keepers)
+    for member in round_.members:
+        assert round_.keeper_peer(member) == ring_peer_by_scan(keepers, member.group_rank)
+
+
+def test_a_members_rank_offset_is_the_prefix_sum_before_it() -> None:
+    round_ = ring(["a", "", "b", "c"])  # local world sizes 1, 2, 1, 2
+    assert [round_.rank_offset(m) for m in round_.members] == [0, 1, 3, 4]
+    assert round_.world_processes == 6
+    assert [round_.keeper_peer(m) for m in round_.members] == ["b", "b", "c", "a"]
 
 
 @pytest.mark.parametrize(

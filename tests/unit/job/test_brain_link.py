@@ -30,12 +30,16 @@ def config(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def view(round_: int, samples: list[float]) -> job_pb2.MasterStatus:
-    status = job_pb2.MasterStatus(round=round_, world_size=len(samples), round_nodes=len(samples))
+    status = job_pb2.MasterStatus(
+        round=round_, world_size=len(samples), round_nodes=len(samples), now_unix_ms=200
+    )
     for i, rate in enumerate(samples):
         metrics = rendezvous_pb2.NodeMetrics(
             samples_per_second=rate, step_time_ms=50, steps=10, rss_bytes=1 << 20, cpu_percent=90
         )
-        status.nodes.append(job_pb2.NodeReport(node_id=f"node-{i}#1", metrics=metrics, age_ms=100))
+        status.nodes.append(
+            job_pb2.NodeReport(node_id=f"node-{i}#1", metrics=metrics, at_unix_ms=100)
+        )
     return status
 
 

@@ -79,9 +79,8 @@ class NodeTable:
         return record
 
     def heartbeat(self, node_id: str, incarnation: int, now_ms: int) -> None:
-        self.live(node_id, incarnation).last_seen_ms = max(
-            self.live(node_id, incarnation).last_seen_ms, now_ms
-        )
+        record = self.live(node_id, incarnation)
+        record.last_seen_ms = max(record.last_seen_ms, now_ms)
 
     def expire(self, now_ms: int) -> list[NodeRecord]:
         """Nodes silent for longer than the timeout; they are removed."""

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from dlfleet.api.errors import InvalidArgument, StaleError
@@ -95,6 +97,41 @@ class Round:
 
     def local_world_sizes(self) -> tuple[int, ...]:
         return tuple(m.local_world_size for m in self.members)
+
+    @cached_property
+    def world_processes(self) -> int:
+        """The processes in the round: the sum of the local world sizes."""
+        return sum(m.local_world_size for m in self.members)
+
+    def rank_offset(self, member: Member) -> int:
+        """The global rank of `member`'s local rank 0 (torchrun's rule:
+        prefix sums of local world sizes by group rank)."""
+        return self._offsets[member.group_rank]
+
+    def keeper_peer(self, member: Member) -> str:
+        """Where `member` copies its checkpoint images: the Keeper of the next
+        member by group rank (cyclically) that has one; "" if no other has."""
+        return self._peers[member.group_rank]
+
+    # Both O(N) once per round, so that each of N members' answers is O(1).
+    @cached_property
+    def _offsets(self) -> list[int]:
+        return list(itertools.accumulate((m.local_world_size for m in self.members), initial=0))
+
+    @cached_property
+    def _peers(self) -> list[str]:
+        addresses = [m.keeper_address for m in self.members]
+        n = len(addresses)
+        peers = [""] * n
+        # Over the ranks twice, backwards: `nearest` is the first position
+        # after i (in the doubled list) with a Keeper; i + n is i itself.
+        nearest: int | None = None
+        for i in range(2 * n - 1, -1, -1):
+            if i < n and nearest is not None and nearest < i + n:
+                peers[i] = addresses[nearest % n]
+            if addresses[i % n]:
+                nearest = i
+        return peers
 
 
 @dataclass(frozen=True)
@@ -450,12 +487,11 @@ class Rendezvous:
 
 def global_ranks(round_: Round, node_id: str) -> range:
     """The global ranks of `node_id`'s local processes (torchrun's rule)."""
-    start = 0
-    for member in round_.members:
-        if member.node_id == node_id:
-            return range(start, start + member.local_world_size)
-        start += member.local_world_size
-    raise StaleError(f"node {node_id} is not a member of round {round_.round}")
+    member = round_.member(node_id)
+    if member is None:
+        raise StaleError(f"node {node_id} is not a member of round {round_.round}")
+    start = round_.rank_offset(member)
+    return range(start, start + member.local_world_size)
 
 
 def describe(round_: Round) -> dict[str, Any]:

@@ -277,7 +277,9 @@ class BrainLink:
         current = self._round
         if current is None:
             return
-        fresh = [r for r in view.nodes if r.age_ms < 3_000 and r.metrics.steps > 0]
+        fresh = [
+            r for r in view.nodes if view.now_unix_ms - r.at_unix_ms < 3_000 and r.metrics.steps > 0
+        ]
         if len(fresh) >= current.nodes and all(r.metrics.step_time_ms > 0 for r in fresh):
             current.totals.append(sum(r.metrics.samples_per_second for r in fresh))
             current.step_times.extend(r.metrics.step_time_ms / 1000 for r in fresh)

@@ -8,6 +8,10 @@ leases and the checkpoint copies it held; a round that closes is pushed at
 once to its members' sessions, so they re-rendezvous instead of waiting in a
 collective. Everything is persisted before anyone is told.
 
+A waiting joiner is woken only by what concerns it (its round formed, or it
+was dropped): with thousands waiting, waking all of them on every event
+would cost O(N) per event, O(N^2) per re-formation after a loss.
+
 Lives in the master service process.
 """
 
@@ -21,7 +25,7 @@ from concurrent.futures import Future
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.master.core.events import Event
 from dlfleet.master.core.rendezvous import (
-    NodeJoined,
+    NodeDropped,
     RendezvousEvent,
     RoundClosed,
     RoundFormed,
@@ -48,7 +52,8 @@ class Membership:
         self.timeline = timeline
         self.clock = clock
         self._durable = durable
-        self.changed = asyncio.Condition()
+        # The waiting joiners, by node (a node may have more than one Join in flight).
+        self._joiners: dict[str, list[asyncio.Future[None]]] = {}
         self.sessions: dict[str, asyncio.Queue[rendezvous_pb2.SessionEvent]] = {}
         self._timer_kick = asyncio.Event()
         # Set while the master shuts down: sessions ending then are not deaths.
@@ -90,12 +95,31 @@ class Membership:
                     queue = self.sessions.get(node_id)
                     if queue is not None:
                         queue.put_nowait(push)
-        # Waiting joiners care about formed rounds and dropped nodes only: a
-        # mere join must not wake every other joiner (n joins would cost n^2).
-        if any(not isinstance(event, NodeJoined) for event in events):
-            async with self.changed:
-                self.changed.notify_all()
+        for event in events:
+            if isinstance(event, RoundFormed):
+                for member in event.members:
+                    self._wake(member.node_id)
+            elif isinstance(event, NodeDropped):
+                self._wake(event.node_id)
         self._timer_kick.set()
+
+    async def news_for(self, node_id: str) -> None:
+        """Until the waiting joiner `node_id` is concerned by an event: a round
+        formed with it, or it was dropped."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._joiners.setdefault(node_id, [])
+        waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            waiters.remove(waiter)
+            if not waiters and self._joiners.get(node_id) is waiters:
+                del self._joiners[node_id]
+
+    def _wake(self, node_id: str) -> None:
+        for waiter in self._joiners.get(node_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def node_lost(self, node_id: str, reason: str) -> None:
         """A node died, left, or was replaced by a newer incarnation."""

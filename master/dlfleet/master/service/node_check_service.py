@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import Any, overload
 
 from dlfleet.api.v1 import nodecheck_pb2, nodecheck_pb2_grpc, rendezvous_pb2
 from dlfleet.master.core.node_check import CheckFailed, Effect, PairDone
@@ -31,6 +32,29 @@ from dlfleet.master.service.timeline import EventKind
 _log = logging.getLogger(__name__)
 
 POLL_S = 5.0  # the longest a Next waits before it answers "wait"
+
+
+class _Lazy(Sequence[str]):
+    """A list computed on first use: the helpers are O(N log N) to find, and
+    the board asks for them only when it plans pairs for a cohort, not on
+    every lost node of a thousand-node loss."""
+
+    def __init__(self, compute: Callable[[], list[str]]) -> None:
+        self._compute = compute
+
+    @cached_property
+    def _items(self) -> list[str]:
+        return self._compute()
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
@@ -52,13 +76,16 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
         live = {record.node_id for record in self.state.nodes.nodes.values()}
         return sorted(n for n in joined & live if n in self.membership.sessions)
 
+    def lazy_helpers(self) -> Sequence[str]:
+        return _Lazy(self.helpers)
+
     @rpc
     async def Begin(
         self, request: nodecheck_pb2.NodeCheckBeginRequest, context: Any
     ) -> nodecheck_pb2.NodeCheckBeginResponse:
         record = self.state.nodes.live(request.node_id, request.incarnation)
         host = request.host or record.host
-        await self._apply(self.board.begin(record.node_id, host, self.clock(), self.helpers()))
+        await self._apply(self.board.begin(record.node_id, host, self.clock(), self.lazy_helpers()))
         _log.info("node %s begins its node check", record.node_id)
         return nodecheck_pb2.NodeCheckBeginResponse(
             check_id=self.board.check_id,
@@ -76,7 +103,7 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
         now = self.clock()
         if request.helper:
             if current and isinstance(result, PairDone):
-                effects = self.board.helper_report(node_id, result, now, self.helpers())
+                effects = self.board.helper_report(node_id, result, now, self.lazy_helpers())
                 await self._apply(effects)
             return nodecheck_pb2.NodeCheckOrder(
                 check_id=self.board.check_id, wait=nodecheck_pb2.NodeCheckPoll()
@@ -90,7 +117,7 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
             now,
             host=request.host,
             store_port=request.store_port,
-            helpers=self.helpers(),
+            helpers=self.lazy_helpers(),
         )
         await self._apply(effects)
         return await self._next_order(node_id, request.done_order if current else -1)
@@ -113,7 +140,7 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
                     await asyncio.wait_for(self.changed.wait(), remaining)
 
     async def node_lost(self, node_id: str) -> None:
-        await self._apply(self.board.node_lost(node_id, self.clock(), self.helpers()))
+        await self._apply(self.board.node_lost(node_id, self.clock(), self.lazy_helpers()))
 
     async def _apply(self, effects: Sequence[Effect]) -> None:
         """Announce verdicts, push helper pairs, and wake the waiting polls."""
@@ -167,4 +194,4 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
             try:
                 await asyncio.wait_for(self._kick.wait(), timeout)
             except asyncio.TimeoutError:
-                await self._apply(self.board.tick(self.clock(), self.helpers()))
+                await self._apply(self.board.tick(self.clock(), self.lazy_helpers()))

@@ -20,6 +20,7 @@ from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 from dlfleet.master.core.rendezvous import Round
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import failure_reason_label
+from dlfleet.master.service.node_reports import NodeReports
 from dlfleet.master.service.rpc import Clock, Durable, rpc
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind
@@ -38,9 +39,10 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self.durable = durable
         self.membership = membership
         self.failures: deque[rendezvous_pb2.FailureReport] = deque(maxlen=FAILURES_KEPT)
-        # The latest metrics each node's heartbeats carried, and when (ms).
+        # The latest metrics each node's heartbeats carried, and when (ms);
+        # and the same as the status RPC sends them.
         self.metrics: dict[str, tuple[rendezvous_pb2.NodeMetrics, int]] = {}
-        self._answers = _JoinAnswers()
+        self.reports = NodeReports()
 
     @rpc
     async def Join(
@@ -58,15 +60,14 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             keeper_address=request.keeper_address,
         )
         await self.membership.apply(events)
-        async with self.membership.changed:
-            while True:
-                round_ = rdzv.assignment(node_id)
-                if round_ is not None:
-                    return self._answers.answer(round_, node_id)
-                if node_id not in rdzv.state.waiting:
-                    why = rdzv.state.dropped.get(node_id, "it left the rendezvous")
-                    raise StaleError(f"join of {node_id} failed: {why}")
-                await self.membership.changed.wait()
+        while True:
+            round_ = rdzv.assignment(node_id)
+            if round_ is not None:
+                return join_answer(round_, node_id)
+            if node_id not in rdzv.state.waiting:
+                why = rdzv.state.dropped.get(node_id, "it left the rendezvous")
+                raise StaleError(f"join of {node_id} failed: {why}")
+            await self.membership.news_for(node_id)
 
     async def Session(
         self, request_iterator: AsyncIterator[rendezvous_pb2.SessionMessage], context: Any
@@ -101,6 +102,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             if self.membership.sessions.get(node_id) is queue:
                 del self.membership.sessions[node_id]
             self.metrics.pop(node_id, None)
+            self.reports.remove(node_id)
             await self._session_ended(node_id, incarnation)
 
     async def _read_heartbeats(
@@ -115,6 +117,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
                 self.state.nodes.heartbeat(node_id, incarnation, now)
                 if message.HasField("metrics"):
                     self.metrics[node_id] = (message.metrics, now)
+                    self.reports.update(node_id, message.metrics, now)
                 if message.restarts_in_place:
                     self.state.restarts_in_place = True
 
@@ -203,38 +206,30 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     ) -> rendezvous_pb2.RendezvousStateResponse:
         state = self.state.rendezvous.state
         active = state.active
+        members = active.members if active else ()
         return rendezvous_pb2.RendezvousStateResponse(
             round=active.round if active else 0,
             num_nodes_waiting=len(state.waiting),
-            members=[m.node_id for m in active.members] if active else [],
+            members=[m.node_id for m in members],
             last_round=state.last_round,
+            local_world_sizes=[m.local_world_size for m in members],
+            keeper_addresses=[m.keeper_address for m in members],
         )
 
 
-class _JoinAnswers:
-    """Every member's answer of a round is the same but for its rank: built
-    once per round (its lists are O(N)), then copied (in C) per member, so
-    that N joiners cost O(N) Python work, not O(N^2)."""
-
-    def __init__(self) -> None:
-        self._round: Round | None = None
-        self._common = rendezvous_pb2.JoinResponse()
-
-    def answer(self, round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
-        member = round_.member(node_id)
-        assert member is not None
-        if self._round is not round_:
-            self._round = round_
-            self._common = rendezvous_pb2.JoinResponse(
-                round=round_.round,
-                group_world_size=round_.world_size,
-                local_world_sizes=list(round_.local_world_sizes()),
-                bootstrap_host=round_.bootstrap_host,
-                bootstrap_port=round_.bootstrap_port,
-                node_ids=[m.node_id for m in round_.members],
-                keeper_addresses=[m.keeper_address for m in round_.members],
-            )
-        response = rendezvous_pb2.JoinResponse()
-        response.CopyFrom(self._common)
-        response.group_rank = member.group_rank
-        return response
+def join_answer(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
+    """`node_id`'s place in `round_`: O(1) (the round's O(N) sums are built
+    once per round), so that a round of N members costs O(N) to answer."""
+    member = round_.member(node_id)
+    assert member is not None
+    return rendezvous_pb2.JoinResponse(
+        round=round_.round,
+        group_rank=member.group_rank,
+        group_world_size=round_.world_size,
+        bootstrap_host=round_.bootstrap_host,
+        bootstrap_port=round_.bootstrap_port,
+        world_size=round_.world_processes,
+        rank_offset=round_.rank_offset(member),
+        local_world_size=member.local_world_size,
+        keeper_peer=round_.keeper_peer(member),
+    )

@@ -457,7 +457,7 @@ class MasterServer:
         """/api/v1/status: this master's view, with the supervisor's facts."""
         assert self.rendezvous is not None
         now = self.clock()
-        own = job_status(self.state, self.rendezvous.failures, self.rendezvous.metrics, now)
+        own = job_status(self.state, self.rendezvous.failures, self.rendezvous.reports, now)
         return self.supervisor_view.merge(own, now)
 
     async def start(self) -> int:
@@ -498,7 +498,7 @@ class MasterServer:
             MasterStatusService(
                 self.state,
                 self.rendezvous.failures,
-                self.rendezvous.metrics,
+                self.rendezvous.reports,
                 self.clock,
                 on_supervisor=self.metrics.supervisor.reported,
                 supervisor_view=self.supervisor_view,

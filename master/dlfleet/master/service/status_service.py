@@ -11,11 +11,12 @@ Lives in the master service process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.master.service import wire
+from dlfleet.master.service.node_reports import NodeReports
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind, Timeline
@@ -24,25 +25,21 @@ from dlfleet.master.service.timeline import EventKind, Timeline
 # that is gone (a standalone master then answers alone).
 SUPERVISOR_FRESH_MS = 5_000
 
-NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
-
 
 def master_status(
     state: MasterState,
     failures: Iterable[rendezvous_pb2.FailureReport],
-    metrics: NodeMetricsView | None = None,
+    reports: NodeReports | None = None,
     now_ms: int = 0,
 ) -> job_pb2.MasterStatus:
-    status = job_pb2.MasterStatus(nodes_live=len(state.nodes.nodes))
+    status = job_pb2.MasterStatus(nodes_live=len(state.nodes.nodes), now_unix_ms=now_ms)
     active = state.rendezvous.state.active
     if active is not None:
         status.round = active.round
-        status.world_size = sum(active.local_world_sizes())
-        status.round_nodes = len(active.local_world_sizes())
-    for node_id, (sample, at) in sorted((metrics or {}).items()):
-        status.nodes.append(
-            job_pb2.NodeReport(node_id=node_id, metrics=sample, age_ms=max(0, now_ms - at))
-        )
+        status.world_size = active.world_processes
+        status.round_nodes = active.world_size
+    if reports is not None:
+        reports.copy_into(status)
     for name in sorted(state.book.datasets):
         view = state.book.status(name)
         per_epoch, epochs = view.records_per_epoch, view.config.epochs
@@ -86,14 +83,14 @@ def global_ranks(state: MasterState) -> dict[str, range]:
 def job_status(
     state: MasterState,
     failures: Iterable[rendezvous_pb2.FailureReport],
-    metrics: NodeMetricsView,
+    reports: NodeReports | None,
     now_ms: int,
 ) -> job_pb2.JobStatus:
     """The job's status as this master alone knows it: the document of
     `dlmaster status --json`, less what only the job's supervisor knows
     (target nodes, processes, relaunches, the brain's plan: zero), plus the
     ranks each node holds in the active round."""
-    view = master_status(state, failures, metrics, now_ms)
+    view = master_status(state, failures, reports, now_ms)
     status = job_pb2.JobStatus(
         job_name=state.settings.job_name,
         phase="running",
@@ -103,7 +100,7 @@ def job_status(
         eta_seconds=-1,
         master_up=True,
     )
-    reports = {report.node_id: report for report in view.nodes}
+    by_node = {report.node_id: report for report in view.nodes}
     checks = {check.node_id: check for check in view.node_checks}
     ranks = global_ranks(state)
     for record in sorted(state.nodes.nodes.values(), key=lambda r: r.name):
@@ -113,7 +110,7 @@ def job_status(
             node_id=record.node_id,
             ranks=ranks.get(record.node_id, ()),
         )
-        report = reports.get(record.node_id)
+        report = by_node.get(record.node_id)
         if report is not None:
             entry.metrics.CopyFrom(report.metrics)
             status.samples_per_second += report.metrics.samples_per_second
@@ -188,14 +185,14 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
         self,
         state: MasterState,
         failures: Iterable[rendezvous_pb2.FailureReport],
-        metrics: NodeMetricsView,
+        reports: NodeReports,
         clock: Callable[[], int],
         on_supervisor: Callable[[job_pb2.SupervisorTotals], None] | None = None,
         supervisor_view: SupervisorView | None = None,
     ) -> None:
         self.state = state
         self.failures = failures
-        self.metrics = metrics
+        self.reports = reports
         self.clock = clock
         self.on_supervisor = on_supervisor
         self.supervisor_view = supervisor_view
@@ -208,4 +205,4 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
             self.on_supervisor(request.supervisor)
         if self.supervisor_view is not None and request.HasField("job"):
             self.supervisor_view.heard(request.job, self.clock())
-        return master_status(self.state, self.failures, self.metrics, self.clock())
+        return master_status(self.state, self.failures, self.reports, self.clock())

@@ -38,42 +38,39 @@ class RoundAssignment:
 
     round: int
     group_rank: int
-    group_world_size: int
-    local_world_sizes: tuple[int, ...]  # indexed by group rank
+    group_world_size: int  # nodes in the round
+    world_size: int  # processes in the round
+    local_world_size: int  # this node's processes
+    rank_offset: int  # the global rank of this node's local rank 0
     bootstrap_host: str
     bootstrap_port: int
 
     def __post_init__(self) -> None:
         if self.round < 0:
             raise InvalidArgument(f"round must be >= 0, got {self.round}")
-        if len(self.local_world_sizes) != self.group_world_size:
-            raise InvalidArgument(
-                f"{len(self.local_world_sizes)} local world sizes for a group world size of "
-                f"{self.group_world_size}"
-            )
         if not 0 <= self.group_rank < self.group_world_size:
             raise InvalidArgument(
                 f"group rank {self.group_rank} is not in 0..{self.group_world_size - 1}"
             )
-        if any(size < 1 for size in self.local_world_sizes):
-            raise InvalidArgument(f"local world sizes must be >= 1, got {self.local_world_sizes}")
+        if self.local_world_size < 1:
+            raise InvalidArgument(f"local world size must be >= 1, got {self.local_world_size}")
+        # Every other node has at least one process, and as many come before
+        # this node's as it has predecessors.
+        others = self.group_world_size - 1
+        if not self.group_rank <= self.rank_offset <= self.world_size - self.local_world_size:
+            raise InvalidArgument(
+                f"rank offset {self.rank_offset} is not possible for group rank "
+                f"{self.group_rank} of a world of {self.world_size} processes"
+            )
+        if self.world_size - self.local_world_size < others:
+            raise InvalidArgument(
+                f"a world of {self.world_size} processes cannot hold {self.local_world_size} "
+                f"here and {others} other nodes"
+            )
         if not self.bootstrap_host or not 0 < self.bootstrap_port < 65536:
             raise InvalidArgument(
                 f"bad bootstrap endpoint {self.bootstrap_host!r}:{self.bootstrap_port}"
             )
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.local_world_sizes)
-
-    @property
-    def local_world_size(self) -> int:
-        return self.local_world_sizes[self.group_rank]
-
-    @property
-    def rank_offset(self) -> int:
-        """Global rank of this node's local rank 0."""
-        return sum(self.local_world_sizes[: self.group_rank])
 
 
 def error_file_path(error_file_dir: Path, local_rank: int) -> Path:

@@ -383,14 +383,16 @@ class Agent:
             round=joined.round,
             group_rank=joined.group_rank,
             group_world_size=joined.group_world_size,
-            local_world_sizes=tuple(joined.local_world_sizes),
+            world_size=joined.world_size,
+            local_world_size=joined.local_world_size,
+            rank_offset=joined.rank_offset,
             bootstrap_host=joined.bootstrap_host,
             bootstrap_port=joined.bootstrap_port,
         )
         self.session.round = assignment.round
         self.rounds.append(assignment)
         if self.keeper is not None:
-            self.keeper.set_peer(_ring_peer(list(joined.keeper_addresses), assignment.group_rank))
+            self.keeper.set_peer(joined.keeper_peer or None)
         _log.info(
             "round %d: group rank %d of %d, world size %d, store %s:%d",
             assignment.round,
@@ -513,7 +515,9 @@ class Agent:
             round=0,
             group_rank=0,
             group_world_size=1,
-            local_world_sizes=(self.config.nproc_per_node,),
+            world_size=self.config.nproc_per_node,
+            local_world_size=self.config.nproc_per_node,
+            rank_offset=0,
             bootstrap_host=self.host,
             bootstrap_port=1,
         )  # a placeholder: a spare's round, ranks and store come with its run order
@@ -750,16 +754,6 @@ def process_stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
-
-
-def _ring_peer(addresses: list[str], group_rank: int) -> str | None:
-    """The next node of the round that has a Keeper: where this node's
-    checkpoint images are copied."""
-    for hop in range(1, len(addresses)):
-        candidate = addresses[(group_rank + hop) % len(addresses)]
-        if candidate:
-            return candidate
-    return None
 
 
 def _drain(events: queue.Queue[rendezvous_pb2.SessionEvent]) -> None:
