@@ -104,6 +104,8 @@ def test_joins_block_until_the_round_forms_and_agree_on_it(
         assert r.rank_offset == sum(lws_of[n] for n in order[: r.group_rank])
         assert r.keeper_peer == ""
         assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, 29500)
+        sizes = [run.size for run in r.local_world_size_runs for _ in range(run.count)]
+        assert sizes == list(state.local_world_sizes)  # the same for every member
 
 
 def test_a_dead_agents_session_closes_the_round_and_the_survivor_hears_at_once(

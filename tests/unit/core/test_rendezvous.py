@@ -180,6 +180,14 @@ def test_global_ranks_are_prefix_sums_of_local_world_sizes() -> None:
     assert round_ is not None
     assert [list(global_ranks(round_, n)) for n in "abc"] == [[0, 1], [2], [3, 4, 5]]
     assert (round_.bootstrap_host, round_.bootstrap_port) == ("host-a", 1001)
+    assert round_.size_runs == ((2, 1), (1, 1), (3, 1))
+
+
+def test_equal_local_world_sizes_are_one_run() -> None:
+    members = tuple(Member(f"n{i}", i, 8, "h", "") for i in range(1000))
+    assert Round(1, members, "h", 1, 0).size_runs == ((8, 1000),)
+    mixed = (*members[:2], Member("x", 2, 4, "h", ""), *members[3:5])
+    assert Round(1, mixed, "h", 1, 0).size_runs == ((8, 2), (4, 1), (8, 2))
 
 
 def ring(keepers: list[str]) -> Round:

@@ -113,6 +113,14 @@ class Round:
         member by group rank (cyclically) that has one; "" if no other has."""
         return self._peers[member.group_rank]
 
+    @cached_property
+    def size_runs(self) -> tuple[tuple[int, int], ...]:
+        """The local world sizes by group rank as (size, count) runs."""
+        return tuple(
+            (size, len(list(run)))
+            for size, run in itertools.groupby(m.local_world_size for m in self.members)
+        )
+
     # Both O(N) once per round, so that each of N members' answers is O(1).
     @cached_property
     def _offsets(self) -> list[int]:

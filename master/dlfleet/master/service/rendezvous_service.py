@@ -232,4 +232,7 @@ def join_answer(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
         rank_offset=round_.rank_offset(member),
         local_world_size=member.local_world_size,
         keeper_peer=round_.keeper_peer(member),
+        local_world_size_runs=[
+            rendezvous_pb2.SizeRun(size=size, count=count) for size, count in round_.size_runs
+        ],
     )
