@@ -14,12 +14,14 @@ def status(
     restorable_step: int = -1,
     bytes_held: int = 0,
     persisted_step: int = -1,
+    replicated_step: int = -1,
 ) -> job_pb2.JobStatus:
     checkpoints = checkpoint_pb2.CheckpointStatus(
         committed_step=committed_step,
         restorable_step=restorable_step,
         bytes_held=bytes_held,
         persisted_step=persisted_step,
+        replicated_step=replicated_step,
     )
     return job_pb2.JobStatus(job_name="j", phase="running", checkpoints=checkpoints)
 
@@ -32,6 +34,10 @@ def test_the_checkpoint_line_shows_the_step_in_memory_and_the_persisted_step() -
     job = status(committed_step=812, restorable_step=812, bytes_held=1288490189, persisted_step=800)
     assert checkpoint_lines(job) == [
         "checkpoints: step 812 in memory (1.2 GiB held), persisted step 800"
+    ]
+    job.checkpoints.replicated_step = 811
+    assert checkpoint_lines(job) == [
+        "checkpoints: step 812 in memory (1.2 GiB held, step 811 on two nodes), persisted step 800"
     ]
 
 

@@ -47,7 +47,9 @@ def checkpoint_line(checkpoints: checkpoint_pb2.CheckpointStatus) -> str | None:
     parts = []
     if checkpoints.restorable_step >= 0:
         held = format_bytes(checkpoints.bytes_held)
-        parts.append(f"step {checkpoints.restorable_step} in memory ({held} held)")
+        replicated = checkpoints.replicated_step
+        safe = f", step {replicated} on two nodes" if replicated >= 0 else ""
+        parts.append(f"step {checkpoints.restorable_step} in memory ({held} held{safe})")
     elif checkpoints.committed_step >= 0:
         parts.append(f"step {checkpoints.committed_step} saved, no complete copy left in memory")
     if checkpoints.persisted_step >= 0:

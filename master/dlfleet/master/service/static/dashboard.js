@@ -517,6 +517,7 @@ function renderCheckpoints(doc) {
   if (!c) return;
   const rows = [
     ["committed step", step(c.committed_step)],
+    ["on two nodes", step(c.replicated_step ?? -1)],
     ["restorable step", step(c.restorable_step)],
     ["persisted step", step(c.persisted_step)],
     ["held in memory", fmtBytes(c.bytes_held)],
