@@ -5,6 +5,7 @@ exactly the records of the files it names; bad input fails with a clear error.""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pickle
 import tempfile
@@ -166,8 +167,25 @@ def test_unreadable_formats_are_named(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"id": 1}\nnot json\n')
     cat = FileCatalog(str(tmp_path / "bad.jsonl"), cache_dir=tmp_path / "c")
     assert cat[0] == {"id": 1}
-    with pytest.raises(CatalogError, match=r"bad\.jsonl: a line near record 0 is not JSON"):
+    with pytest.raises(CatalogError, match=r"bad\.jsonl: record 1 is not JSON"):
         cat.__getitems__([1])
+
+
+def test_json_lines_parse_as_json_loads_parses_each_line_bytes(tmp_path: Path) -> None:
+    # Blocks are decoded from UTF-8 once, not line by line; what a line
+    # means, and which lines are errors, is still json.loads(line_bytes)'s.
+    lines = [
+        b'\xef\xbb\xbf{"id": 0}',  # a byte order mark, as a file's first bytes
+        '{"id": 1, "text": "na\u00efve \u65e5\u672c"}'.encode(),
+        b'{"id": 2, "text": "\xff"}',  # not UTF-8
+        b'{"id": 3}',
+    ]
+    (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    cat = FileCatalog(str(tmp_path / "mixed.jsonl"), cache_dir=tmp_path / "c", block_size=2)
+    assert cat.__getitems__([1, 0]) == [json.loads(lines[1]), json.loads(lines[0])]
+    assert cat[3] == {"id": 3}
+    with pytest.raises(CatalogError, match=r"mixed\.jsonl: record 2 is not JSON"):
+        cat[2]
 
 
 def test_a_file_whose_record_count_changed_is_refused(tmp_path: Path) -> None:

@@ -2,12 +2,17 @@
 trains, so the master round trip is hidden, and keeps held leases alive.
 
 Invariants:
-- A request goes out only while fewer than `ahead` answers wait unconsumed:
-  the thread leases ahead of the shard being cut into batches, never further
-  than one request's answers. In sync mode a request asks for
-  `shards_per_request` positions at once (`LeaseRequest.count`): every round
-  trip costs both ranks' training threads GIL hand-offs and the master a
-  durable write, so fewer, larger ones leave more of the steps to training.
+- A request goes out only while fewer than `refill_below` answers wait
+  unconsumed: the thread leases ahead of the shard being cut into batches,
+  never further than one request's answers beyond those. In sync mode a
+  request asks for `shards_per_request` positions at once
+  (`LeaseRequest.count`): every round trip costs both ranks' training threads
+  GIL hand-offs and the master a durable write, so fewer, larger ones leave
+  more of the steps to training. It goes out once half of the last answer's
+  shards are taken, not when the last one is: the round trip then has half a
+  request's steps to come back in (64 at the master's default shard), not one
+  shard's (16), which a master busy with a durable write on a loaded machine
+  can exceed, and the training thread would wait.
 - The lease session is used from this thread only (LeaseSession is not
   thread-safe); renewals go through the thread-safe unary client.
 - Acks ride on the next lease request (`done=`): a lease is acked only once
@@ -79,7 +84,7 @@ class LeaseFetcher:
         env: LoaderEnvironment,
         mode: LoaderMode,
         *,
-        ahead: int = 1,
+        refill_below: int | None = None,
         shards_per_request: int = SHARDS_PER_REQUEST,
         renew_interval_s: float | None = None,
     ) -> None:
@@ -88,8 +93,8 @@ class LeaseFetcher:
         self._dataset = dataset
         self._env = env
         self._mode = mode
-        self._ahead = ahead
         self._count = shards_per_request if mode is LoaderMode.SYNC else 1
+        self._refill_below = refill_below or max(1, self._count // 2)
         self._renew_interval_s = renew_interval_s
         self._cond = threading.Condition()
         self._results: deque[Outcome | BaseException] = deque()
@@ -137,7 +142,7 @@ class LeaseFetcher:
     # ------------------------------------------------------------- thread
 
     def _may_ask(self) -> bool:
-        if self._finished or len(self._results) >= self._ahead:
+        if self._finished or len(self._results) >= self._refill_below:
             return False
         return not self._after_epoch or self._ledger.all_complete()
 

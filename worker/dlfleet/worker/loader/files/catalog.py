@@ -93,7 +93,7 @@ class FileCatalog(Dataset[Any]):
     _prefetcher: concurrent.futures.ThreadPoolExecutor | None
     _pending: set[tuple[int, int]]
     _order: BlockOrder | None
-    _prefetched_after: tuple[int, int] | None  # the block the last read-ahead followed
+    _prefetched_after: int | None  # the catalog block the last read-ahead followed
     _pid: int
 
     def __init__(
@@ -141,6 +141,9 @@ class FileCatalog(Dataset[Any]):
         within = (np.arange(len(file_of), dtype=np.int64) - first_block) * block_size
         self._block_starts = (self._bases[file_of] + within).astype(np.int64)
         self._block_lengths = np.minimum(block_size, counts[file_of] - within).astype(np.int64)
+        # Catalog block -> (file, block number within the file): the cache's key.
+        self._block_files = file_of
+        self._block_numbers = (within // block_size).astype(np.int64)
         self._reset()
 
     # ---------------------------------------------------------------- dataset
@@ -160,21 +163,30 @@ class FileCatalog(Dataset[Any]):
             # A forked DataLoader worker: its parent's open files share their
             # offsets with it, and a lock may have been held at the fork.
             self._reset()
-        wanted = np.asarray(indices, dtype=np.int64)
-        if wanted.min() < 0 or wanted.max() >= self.size:
+        if min(indices) < 0 or max(indices) >= self.size:
             raise IndexError(f"record indices outside [0, {self.size})")
-        files = np.searchsorted(self._bases, wanted, side="right") - 1
-        local = wanted - self._bases[files]
-        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        block = self.block_size
-        for at, (f, i) in enumerate(zip(files.tolist(), local.tolist(), strict=True)):
-            groups.setdefault((f, i // block), []).append((at, i % block))
+        # Which catalog block holds each record, and where in it; then one
+        # read of each block, in the order the batch first needs them.
+        wanted = np.asarray(indices, dtype=np.int64)
+        blocks = np.searchsorted(self._block_starts, wanted, side="right") - 1
+        offsets = (wanted - self._block_starts[blocks]).tolist()
+        groups: dict[int, list[int]] = {}
+        for at, number in enumerate(blocks.tolist()):
+            group = groups.get(number)
+            if group is None:
+                groups[number] = [at]
+            else:
+                group.append(at)
         out: list[Any] = [None] * len(indices)
-        for (f, number), items in groups.items():
-            records = self._block(f, number).records([offset for _, offset in items])
-            for (at, _), record in zip(items, records, strict=True):
-                out[at] = record if self.transform is None else self.transform(record)
-        last = (int(files[-1]), int(local[-1]) // block)
+        for number, ats in groups.items():
+            block = self._block(int(self._block_files[number]), int(self._block_numbers[number]))
+            records = block.records([offsets[at] for at in ats])
+            for at, record in zip(ats, records, strict=True):
+                out[at] = record
+        if self.transform is not None:
+            transform = self.transform
+            out = [transform(record) for record in out]
+        last = int(blocks[-1])
         if last != self._prefetched_after:  # once per block reached
             self._prefetched_after = last
             self._prefetch_after(int(wanted[-1]))

@@ -13,11 +13,16 @@ of all blocks, of all files, reading each block front to back. A bounded
 deterministic counterpart of a streaming shuffle buffer of `window` records,
 which touches at most window/block + 2 blocks at a time.
 
+A rank asks for a few dozen positions a step, in increasing order, so the
+mapping is composed a window at a time (`SPAN` positions without a window)
+and the last `KEEP_SPANS` are kept: a step's positions are then one slice,
+not a dozen numpy calls on 32 values (2 us instead of 20 us a batch).
+
 Invariants (tests/unit/loader/test_stream_order.py):
 - Each epoch's mapping is a bijection of [0, size): composed of a block
   permutation and per-window permutations, each a bijection.
 - Without shuffling a position is its record (files in catalog order).
-- Memory is O(blocks), never O(records).
+- Memory is O(blocks + KEEP_SPANS * window), never O(records).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-KEEP_WINDOWS = 8
+KEEP_SPANS = 8
+SPAN = 1024
 _SALT_BLOCKS = 0xB10C
 _SALT_WINDOW = 0x5B0F
 
@@ -62,22 +68,28 @@ class BlockOrder:
         lengths = block_lengths[order]
         # Position of each visited block's first record.
         self._positions = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        self._windows: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
+        # Positions are mapped a span at a time (a shuffle window, or
+        # SPAN positions without one), and the last spans kept: a rank asks
+        # for its runs in increasing order, a few dozen positions at a time.
+        self._span = self.window if self.window > 1 else SPAN
+        self._spans: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
 
     def ranges(self, runs: Sequence[tuple[int, int]]) -> list[int]:
         """Record indices of the positions of each run [start, end), in order
         (the interface of indexing.PositionIndexer)."""
-        parts = [np.arange(a, b, dtype=np.int64) for a, b in runs if a < b]
-        if not parts:
-            return []
-        positions = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if positions[0] < 0 or positions.max() >= self.size:
-            raise IndexError(f"positions outside [0, {self.size})")
-        if self.window > 1:
-            positions = self._shuffle_windows(positions)
-        visited = np.searchsorted(self._positions, positions, side="right") - 1
-        records = self._starts[visited] + (positions - self._positions[visited])
-        out: list[int] = records.tolist()
+        out: list[int] = []
+        span = self._span
+        for start, end in runs:
+            if start >= end:
+                continue
+            if start < 0 or end > self.size:
+                raise IndexError(f"positions [{start}, {end}) outside [0, {self.size})")
+            at = start
+            while at < end:
+                number, offset = divmod(at, span)
+                take = min(end - at, span - offset)
+                out.extend(self._records(number)[offset : offset + take].tolist())
+                at += take
         return out
 
     def following(self, record: int, count: int) -> list[int]:
@@ -88,26 +100,23 @@ class BlockOrder:
         out: list[int] = self._starts[turn + 1 : turn + 1 + count].tolist()
         return out
 
-    def _shuffle_windows(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        numbers = positions // self.window
-        first, last = int(numbers.min()), int(numbers.max())
-        if first == last:  # the common case: a rank's batch within one window
-            return first * self.window + self._window(first)[positions - first * self.window]
-        out = positions.copy()
-        for number in np.unique(numbers).tolist():
-            mask = numbers == number
-            out[mask] = number * self.window + self._window(number)[positions[mask] % self.window]
-        return out
-
-    def _window(self, number: int) -> npt.NDArray[np.int64]:
-        perm = self._windows.get(number)
-        if perm is None:
-            length = min(self.window, self.size - number * self.window)
+    def _records(self, number: int) -> npt.NDArray[np.int64]:
+        """The records of positions [number * span, (number + 1) * span): the
+        window's permutation and the block order, composed once per window."""
+        cached = self._spans.get(number)
+        if cached is not None:
+            self._spans.move_to_end(number)
+            return cached
+        first = number * self._span
+        length = min(self._span, self.size - first)
+        if self.window > 1:
             rng = np.random.default_rng([self._seed, self._epoch, number, _SALT_WINDOW])
-            perm = rng.permutation(length).astype(np.int64)
-            self._windows[number] = perm
-            while len(self._windows) > KEEP_WINDOWS:
-                self._windows.popitem(last=False)
+            positions = first + rng.permutation(length).astype(np.int64)
         else:
-            self._windows.move_to_end(number)
-        return perm
+            positions = np.arange(first, first + length, dtype=np.int64)
+        visited = np.searchsorted(self._positions, positions, side="right") - 1
+        records = self._starts[visited] + (positions - self._positions[visited])
+        self._spans[number] = records
+        while len(self._spans) > KEEP_SPANS:
+            self._spans.popitem(last=False)
+        return records

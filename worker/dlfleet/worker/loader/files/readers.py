@@ -112,28 +112,52 @@ class JsonLines(RecordReader):
         f.seek(hints[number])
         # One read of the whole block: the next block's hint is where it ends.
         data = f.read(hints[number + 1] - hints[number]) if number + 1 < len(hints) else f.read()
-        lines = data.split(b"\n")
-        if lines and not lines[-1]:
-            lines.pop()  # after the last newline
+        lines = _JsonBlock(data, url, first)
         if len(lines) != stop - first:
             raise CatalogError(
                 f"{url}: ends at line {first + len(lines)}, but {stop} lines were counted; "
                 "the file changed since the catalog counted it"
             )
-        return _ListBlock(lines, _JsonDecoder(url, first))
+        return lines
 
 
-class _JsonDecoder:
-    def __init__(self, url: str, first: int) -> None:
-        self.url = url
-        self.first = first
+class _JsonBlock(Block):
+    """A block of JSON lines, decoded from UTF-8 once for the whole block:
+    `json.loads` of bytes detects the encoding and decodes every line (in
+    Python, a fifth of parsing a short record). A block that is not UTF-8 is
+    kept as bytes, and a line the text fails on (a byte order mark) is parsed
+    again from its bytes, as `json.loads` would; only then is it not JSON."""
 
-    def __call__(self, line: bytes) -> Any:
+    def __init__(self, data: bytes, url: str, first: int) -> None:
+        self._url = url
+        self._first = first
+        lines: list[str] | list[bytes]
         try:
-            return json.loads(line)
+            # A newline byte is only ever a newline in UTF-8: the same lines.
+            lines = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # after the last newline
+        self._lines = lines
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def records(self, offsets: Sequence[int]) -> list[Any]:
+        lines, loads = self._lines, json.loads
+        try:
+            return [loads(lines[i]) for i in offsets]
+        except ValueError:
+            return [self._from_bytes(i) for i in offsets]  # which line, and why
+
+    def _from_bytes(self, offset: int) -> Any:
+        line = self._lines[offset]
+        try:
+            return json.loads(line.encode() if isinstance(line, str) else line)
         except ValueError as error:
             raise CatalogError(
-                f"{self.url}: a line near record {self.first} is not JSON: {error}"
+                f"{self._url}: record {self._first + offset} is not JSON: {error}"
             ) from None
 
 
