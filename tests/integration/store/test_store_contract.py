@@ -28,7 +28,7 @@ from dlfleet.master.store.base import (
     StoreError,
     StreamState,
 )
-from dlfleet.master.store.sql import open_store
+from dlfleet.master.store.sql import COMPACT_CHUNK_ROWS, open_store
 
 pytestmark = pytest.mark.integration
 
@@ -170,6 +170,52 @@ def test_checkpoint_drops_only_its_streams_entries_up_to_seq(backend: Backend) -
     assert loaded["b"].checkpoint is None
     assert [e.payload for e in loaded["b"].entries] == ["b1", "b2", "b3"]
     assert loaded["b"].entries[-1].seq == kept
+
+
+def _journal_rows(backend: Backend) -> int:
+    engine = create_engine(backend.url)
+    try:
+        with engine.connect() as conn:
+            table = f'"{backend.table_prefix}journal"'
+            return int(conn.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_compaction_deletes_covered_rows_in_bounded_pieces_and_load_never_shows_them(
+    backend: Backend,
+) -> None:
+    store = backend.open()
+    half = COMPACT_CHUNK_ROWS // 2
+    last = store.append([("a", str(i)) for i in range(2 * COMPACT_CHUNK_ROWS + half)])
+    store.append([("b", "b1")])
+
+    store.checkpoint("a", "A", last)
+    assert _journal_rows(backend) == COMPACT_CHUNK_ROWS + half + 1  # one piece deleted
+    assert store.load()["a"].entries == ()
+
+    store.append([("a", "after1")])  # deletes the next piece
+    assert _journal_rows(backend) == half + 2
+    store.append([("a", "after2")])  # and the rest
+    assert _journal_rows(backend) == 3
+    assert [e.payload for e in store.load()["a"].entries] == ["after1", "after2"]
+    assert [e.payload for e in store.load()["b"].entries] == ["b1"]
+
+
+def test_rows_a_checkpoint_covers_are_deleted_after_a_reopen_too(backend: Backend) -> None:
+    store = backend.open()
+    last = store.append([("a", str(i)) for i in range(COMPACT_CHUNK_ROWS + 10)])
+    store.checkpoint("a", "A", last)
+    store = backend.reopen(store)
+    assert _journal_rows(backend) == 10
+    assert store.load()["a"].entries == ()
+
+    after = store.append([("a", "after")])
+
+    assert _journal_rows(backend) == 1
+    assert store.load()["a"] == StreamState(
+        Checkpoint("a", last, "A"), (JournalEntry(after, "a", "after"),)
+    )
 
 
 def test_newer_checkpoint_replaces_the_older_one(backend: Backend) -> None:

@@ -14,14 +14,30 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# The master encodes every event of every lease and ack on its event loop
+# (a seventh of its samples at 64 clients); `dataclasses.fields()` and a fresh
+# encoder per `json.dumps(..., separators=...)` call cost a sixth of that.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
+def _field_names(kind: type[Any]) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return names
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
     dataset: str
 
     def to_json(self) -> str:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return json.dumps({"t": type(self).__name__, **fields}, separators=(",", ":"))
+        kind = type(self)
+        data: dict[str, Any] = {"t": kind.__name__}
+        for name in _field_names(kind):
+            data[name] = getattr(self, name)
+        return _ENCODE(data)
 
     @staticmethod
     def from_json(text: str) -> Event:

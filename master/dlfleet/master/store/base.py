@@ -11,7 +11,9 @@ Invariants every implementation keeps (tests/integration/store checks them):
 - `load` returns, per stream, the latest checkpoint and exactly the entries of
   that stream appended after it, in sequence order.
 - `checkpoint(stream, payload, upto_seq)` atomically replaces the stream's
-  checkpoint and drops that stream's entries with seq <= upto_seq.
+  checkpoint and drops that stream's entries with seq <= upto_seq: `load` never
+  returns them again. An implementation may delete their rows later (in bounded
+  pieces, so that no single write stalls the appends behind it).
 """
 
 from __future__ import annotations
