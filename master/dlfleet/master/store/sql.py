@@ -167,8 +167,8 @@ class SqlStateStore(StateStore):
         entries: dict[str, list[JournalEntry]] = {}
         for seq, stream, payload in entry_rows:
             checkpoint = checkpoints.get(stream)
-            # Compaction deletes these in the checkpoint's own transaction; the
-            # filter only keeps `load` exact should a row survive by other means.
+            # Compaction deletes these in bounded pieces after the checkpoint
+            # (see the module docstring): until then they are filtered out here.
             if checkpoint is None or seq > checkpoint.upto_seq:
                 entries.setdefault(stream, []).append(JournalEntry(seq, stream, payload))
         return {

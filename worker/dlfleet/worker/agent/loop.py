@@ -460,6 +460,12 @@ class Agent:
         if event is not None and event.HasField("re_rendezvous"):
             push = event.re_rendezvous
             if push.closed_round >= phase.assignment.round:
+                if self.group.poll().status is GroupStatus.SUCCEEDED:
+                    # Finished just before the push (a newcomer came as the job
+                    # ended): joining a round now would leave it waiting for a
+                    # leader that is gone.
+                    self._stop_workers()
+                    return Succeeded()
                 self._end_round(phase.assignment.round, push.reason)
                 return Rejoining(push.reason, phase.restart_count)
         if self.session.closed_by_master.is_set():
