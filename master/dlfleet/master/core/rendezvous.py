@@ -114,6 +114,11 @@ class Round:
         return self._peers[member.group_rank]
 
     @cached_property
+    def hosts(self) -> dict[str, str]:
+        """node id -> host of every member (once per round, not per failure)."""
+        return {m.node_id: m.host for m in self.members}
+
+    @cached_property
     def size_runs(self) -> tuple[tuple[int, int], ...]:
         """The local world sizes by group rank as (size, count) runs."""
         return tuple(

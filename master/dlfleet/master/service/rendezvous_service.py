@@ -160,7 +160,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         members: dict[str, str] = {}
         if request.round:
             active = self.state.rendezvous.check_member(request.node_id, request.round)
-            members = {member.node_id: member.host for member in active.members}
+            members = active.hosts
         if request.local_rank < 0:
             raise InvalidArgument(f"local_rank must be >= 0, got {request.local_rank}")
         named: tuple[str, ...] = ()
