@@ -23,7 +23,11 @@ docs promise but its code does not do). Each step
 sleeps `--sleep-per-step` (0.1 s) and the dataset is sized so that
 training without faults lasts about `--minutes` (2 epochs). Generous
 limits: max_restarts and max_node_relaunches 1000, relaunch_delay_s 0.5,
-step_timeout_s `--step-timeout` (5 s).
+step_timeout_s `--step-timeout` (5 s) with a learned bound under it,
+step_timeout_factor `--step-timeout-factor` (4; 0: the fixed 5 s only) and
+step_timeout_min_s 2: a rank is hung once its progress file is older than 4 x
+the longest gap between its writes in the round (about 0.6 s: the writes come
+every 0.5 s), at least 2 s.
 
 The faults (`--kinds`, all by default), each sent by this bench with
 os.kill to a process of the job:
@@ -189,6 +193,7 @@ class Settings:
     # file every `checkpoint_every` steps and every restart is a cold start.
     checkpoints: str = "memory"
     step_timeout_s: float = 5.0
+    step_timeout_factor: float = 4.0  # 0: the fixed bound only
     last_call_s: float = 1.0
     relaunch_delay_s: float = 0.5
     recover_timeout_s: float = 180.0
@@ -571,6 +576,11 @@ class ChaosRun:
             "max_node_relaunches": 1000,
             "relaunch_delay_s": s.relaunch_delay_s,
             "step_timeout_s": s.step_timeout_s,
+            **(
+                {"step_timeout_factor": s.step_timeout_factor, "step_timeout_min_s": 2.0}
+                if s.step_timeout_factor
+                else {}
+            ),
             "rendezvous": {"last_call_timeout_s": s.last_call_s},
             "heartbeat": {"interval_s": 1.0, "timeout_s": 10.0},
             "display": "plain",
@@ -1015,6 +1025,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
     parser.add_argument("--settle", type=float, default=5.0, help="steady seconds before a fault")
     parser.add_argument("--sleep-per-step", type=float, default=0.1, help="seconds (0.1)")
     parser.add_argument("--step-timeout", type=float, default=5.0, help="watchdog seconds (5)")
+    parser.add_argument(
+        "--step-timeout-factor",
+        type=float,
+        default=4.0,
+        help="learned watchdog: x the longest gap between progress writes (4; 0: off)",
+    )
     parser.add_argument("--last-call", type=float, default=1.0, help="rendezvous last call (1)")
     parser.add_argument(
         "--recover-timeout", type=float, default=180.0, help="seconds to recover a fault (180)"
@@ -1044,6 +1060,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         parser.error(f"--kinds wants some of {', '.join(KINDS)}")
     if args.minutes <= 0 or args.sleep_per_step < 0 or args.step_timeout <= 0:
         parser.error("--minutes and --step-timeout must be positive, --sleep-per-step not negative")
+    if args.step_timeout_factor != 0 and not args.step_timeout_factor >= 2:
+        parser.error("--step-timeout-factor wants 0 (off) or >= 2")
+    if args.step_timeout_factor and args.step_timeout < 2:
+        parser.error("--step-timeout-factor needs --step-timeout >= 2 (the learned floor)")
     settings = Settings(
         checkpoints=args.checkpoints,
         minutes=args.minutes,
@@ -1054,6 +1074,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         settle_s=args.settle,
         sleep_per_step=args.sleep_per_step,
         step_timeout_s=args.step_timeout,
+        step_timeout_factor=args.step_timeout_factor,
         last_call_s=args.last_call,
         recover_timeout_s=args.recover_timeout,
         stop_at=args.stop_at,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,6 +218,26 @@ def test_a_silent_hang_is_turned_into_a_restart_by_the_step_watchdog(
     assert len(workers.steps(1, 0)) == 3  # stuck before step 3 (steps 0, 1, 2 done)
     assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 8  # the restart finished
     assert time.monotonic() - started < 60
+
+
+def test_a_learned_step_bound_catches_a_hang_long_before_the_fixed_one(
+    job: Callable[..., Any],
+) -> None:
+    """Ranks that step every 0.05 s report every ~0.5 s: the learned bound
+    is 3 x the longest gap, about 1.6 s, not the 120 s ceiling."""
+    _, agent, workers = job(1, 1)
+    a = agent(
+        "a", nproc=2, steps=110, pause=0.05, max_restarts=1,
+        env={"FAIL_MODE": "hang", "HANG_STEP": "100"},
+        flags=("--step-timeout", "120", "--step-timeout-factor", "3", "--step-timeout-min", "1"),
+    )  # fmt: skip
+    code, out = finish(a, timeout=120)
+    assert code == 0, out
+    found = re.search(r"hung: no training step for ([0-9.]+)s \(3 x the longest gap", out)
+    assert found is not None, out
+    assert float(found.group(1)) < 5, out
+    assert len(workers.steps(1, 0)) == 100  # stuck before step 100
+    assert [s["sum"] for s in workers.steps(2, 0)] == [2.0] * 110  # the restart finished
 
 
 def test_scale_up_from_one_node_to_two_mid_run(job: Callable[..., Any]) -> None:

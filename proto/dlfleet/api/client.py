@@ -188,6 +188,15 @@ class MasterClient:
         self._checkpoints = checkpoint_pb2_grpc.CheckpointsStub(self._channel)
         self._node_check = nodecheck_pb2_grpc.NodeCheckStub(self._channel)
 
+    def sharing_channel(self, *, timeout_s: float, retry: RetryPolicy) -> MasterClient:
+        """A client on this one's channel with another deadline and retry
+        policy (for callers that must answer quickly). Closing it closes the
+        shared channel: close only this one."""
+        token = self._metadata[0][1]
+        return MasterClient(
+            self.target, token=token, timeout_s=timeout_s, retry=retry, channel=self._channel
+        )
+
     def close(self) -> None:
         self._channel.close()
         with self._io_lock:

@@ -6,8 +6,8 @@ Each rank records its torchrun environment once and one line per step
 (round, rank, world size, the allreduce of ones). FAIL_MODE=once makes global
 rank 0 exit 3 on the first attempt; FAIL_MODE=always makes it raise every time
 (inside @record, so the agent reads the traceback from the error file).
-FAIL_MODE=hang makes global rank 1 stop forever before step 3 of the first
-attempt, so that rank 0 waits in its all-reduce: a silent hang. Each step is
+FAIL_MODE=hang makes global rank 1 stop forever before step 3 (or $HANG_STEP)
+of the first attempt, so that rank 0 waits in its all-reduce: a silent hang. Each step is
 reported to the agent's watchdog (dlfleet.worker.progress).
 """
 
@@ -52,6 +52,7 @@ def main() -> None:
     out, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     mode = os.environ.get("FAIL_MODE", "")
     rank = int(os.environ["RANK"])
+    hang_step = int(os.environ.get("HANG_STEP", "3"))
     if mode == "once" and rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         sys.exit(3)
     if mode == "always" and rank == 0:
@@ -64,7 +65,7 @@ def main() -> None:
     (out / f"env-{tag}.json").write_text(json.dumps({k: os.environ.get(k) for k in KEYS}))
     with (out / f"steps-{tag}.jsonl").open("a") as log:
         for step in range(steps):
-            if mode == "hang" and rank == 1 and step == 3 and round_id == "1":
+            if mode == "hang" and rank == 1 and step == hang_step and round_id == "1":
                 time.sleep(3600)
             total = torch.ones(1)
             dist.all_reduce(total)

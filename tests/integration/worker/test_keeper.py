@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ from dlfleet.api.client import MasterClient
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.state import MasterSettings
-from dlfleet.worker.agent.keeper import ImageKeeper, remove_stale_folders
+from dlfleet.worker.agent.keeper import COMMIT_WAIT_S, ImageKeeper, remove_stale_folders
 from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.orders import WorkerOrders
 from dlfleet.worker.checkpoint import files
@@ -177,6 +178,52 @@ def test_a_save_is_answered_once_every_ranks_image_of_its_step_is_on_two_nodes(
         assert answers == {"a": True, "b": True}, f"step {step}: a replica was missing"
         status = master.client.checkpoint_status()
         assert (status.committed_step, status.replicated_step) == (step, step)
+
+
+def saving_both(a: Node, b: Node, step: int) -> float:
+    """Rank 0 on a and rank 1 on b save `step` at once; the slower answer's
+    time in seconds."""
+    import threading
+
+    took: list[float] = []
+
+    def one(node: Node, rank: int) -> None:
+        started = time.monotonic()
+        save(node, rank, step)
+        took.append(time.monotonic() - started)
+
+    threads = [threading.Thread(target=one, args=(a, 0)), threading.Thread(target=one, args=(b, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    assert len(took) == 2, "a save was not answered"
+    return max(took)
+
+
+def test_while_the_master_is_away_saves_do_not_wait_and_commit_once_it_is_back(
+    nodes: tuple[Running, Node, Node], start_master: Any
+) -> None:
+    """Only the master can commit a step, so a save waiting for it while it
+    restarts gains nothing: the first save notices within MASTER_SLOW_S, the
+    next ones answer at once, and the steps commit when it is back."""
+    master, a, b = nodes
+    saving_both(a, b, 3)
+    assert master.client.checkpoint_status().replicated_step == 3
+    port = int(master.address.rsplit(":", 1)[1])
+    start_master.stop(master)
+
+    first = saving_both(a, b, 4)
+    assert first < COMMIT_WAIT_S, f"the first save without a master took {first:.2f}s"
+    later = [saving_both(a, b, step) for step in (5, 6)]
+    assert max(later) < 0.3, f"saves without a master took {later}"
+    assert a.keeper.master_away and b.keeper.master_away
+
+    back = start_master(SETTINGS, port=port)  # the same address and store: a restart
+    wait_for(lambda: back.client.checkpoint_status().committed_step == 6, "step 6 committed", 40)
+    assert saving_both(a, b, 7) < 5
+    assert back.client.checkpoint_status().committed_step == 7
+    assert not a.keeper.master_away and not b.keeper.master_away
 
 
 def test_an_image_fetched_from_the_peer_is_the_saved_image_byte_for_byte(

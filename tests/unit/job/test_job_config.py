@@ -110,6 +110,27 @@ def test_diagnosis_reaches_the_agents_as_flags(base: Path) -> None:
     assert config.diagnosis.rules[-1].name == "anything-else"
 
 
+def test_the_step_watchdog_reaches_the_agents_as_flags(base: Path) -> None:
+    assert parse(base).agent_step_timeout_flags() == []
+    job = parse(base, step_timeout_s=60, step_timeout_factor=4, step_timeout_min_s=1.5)
+    flags = job.agent_step_timeout_flags()
+    env = {"DLFLEET_MASTER": "m:1", "DLFLEET_TOKEN": "t"}
+    config = agent_config.parse_args([*flags, "train.py"], env)
+    assert (config.step_timeout_s, config.step_timeout_factor, config.step_timeout_min_s) == (
+        60.0,
+        4.0,
+        1.5,
+    )
+    for fields, words in [
+        ({"step_timeout_factor": 4}, "need step_timeout_s"),
+        ({"step_timeout_s": 10, "step_timeout_factor": 1}, "step_timeout_factor"),
+        ({"step_timeout_s": 10, "step_timeout_min_s": 1}, "needs step_timeout_factor"),
+        ({"step_timeout_s": 10, "step_timeout_factor": 4, "step_timeout_min_s": 20}, "is over"),
+    ]:
+        with pytest.raises(InvalidArgument, match=words):
+            parse(base, **fields)
+
+
 def test_the_node_check_is_on_by_default_for_jobs_of_several_nodes(base: Path) -> None:
     assert parse(base).agent_node_check_flags() == []  # one node: nothing to compare with
     several = parse(base, nodes={"min": 1, "max": 2})

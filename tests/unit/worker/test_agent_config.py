@@ -22,6 +22,7 @@ from dlfleet.worker.agent.config import (
     parse_args,
     split_host_port,
 )
+from dlfleet.worker.agent.watchdog import Bounds
 
 BASE_ENV = {"DLFLEET_MASTER": "master.local:50051", "DLFLEET_TOKEN": "s3cret"}
 
@@ -315,6 +316,30 @@ def test_the_step_watchdog_is_off_unless_asked_for() -> None:
     assert parse("train.py", env={"DLFLEET_STEP_TIMEOUT": "2.5"}).step_timeout_s == 2.5
     assert "--step-timeout" in str(error("--step-timeout", "soon", "train.py"))
     assert "must be > 0" in str(error("--step-timeout", "-1", "train.py"))
+
+
+def test_a_learned_step_bound_takes_a_factor_and_floor_under_the_ceiling() -> None:
+    assert parse("--step-timeout", "30", "train.py").step_bounds() == Bounds(30.0, 0.0, 2.0)
+    learned = parse(
+        "--step-timeout", "30", "--step-timeout-factor", "4", "--step-timeout-min", "1", "t.py"
+    )
+    assert learned.step_bounds() == Bounds(30.0, 4.0, 1.0)
+    env = {"DLFLEET_STEP_TIMEOUT": "30", "DLFLEET_STEP_TIMEOUT_FACTOR": "3"}
+    assert parse("train.py", env=env).step_bounds() == Bounds(30.0, 3.0, 2.0)
+    assert parse("--step-timeout", "1", "t.py").step_bounds() == Bounds(1.0, 0.0, 1.0)
+    assert parse("train.py").step_bounds() is None
+    assert "needs --step-timeout" in str(error("--step-timeout-factor", "4", "train.py"))
+    assert ">= 2" in str(error("--step-timeout", "9", "--step-timeout-factor", "1", "t.py"))
+    assert "needs --step-timeout-factor" in str(
+        error("--step-timeout", "9", "--step-timeout-min", "1", "t.py")
+    )
+    assert "expected a number" in str(
+        error("--step-timeout", "9", "--step-timeout-factor", "x", "t.py")
+    )
+    too_high = error(
+        "--step-timeout", "9", "--step-timeout-factor", "4", "--step-timeout-min", "10", "t.py"
+    )
+    assert "--step-timeout-min" in str(too_high) and "at most --step-timeout 9s" in str(too_high)
 
 
 def test_diagnosis_is_on_by_default_and_takes_more_rules(tmp_path: Path) -> None:

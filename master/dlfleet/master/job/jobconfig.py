@@ -12,6 +12,9 @@
     max_restarts: 3             # worker-group restarts per node before it fails
     step_timeout_s: 300         # watchdog: a rank that stops stepping this long is
                                 # restarted (a hang); default off
+    step_timeout_factor: 4      # learn each rank's bound under step_timeout_s: 4 x the
+    step_timeout_min_s: 2       # longest gap between its step reports in the round, at
+                                # least step_timeout_min_s (2); default off (fixed bound)
     diagnosis:                  # what a worker failure's cause decides (see
       enabled: true             # dlfleet/api/diagnosis_rules.yaml): a user error fails
       rules: []                 # the job at once, a hardware fault replaces the node,
@@ -345,6 +348,8 @@ class JobConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     max_restarts: int = Field(default=3, ge=0, le=1_000)
     step_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    step_timeout_factor: float | None = Field(default=None, ge=2, le=1_000)
+    step_timeout_min_s: float | None = Field(default=None, gt=0, le=86_400)
     diagnosis: DiagnosisConfig = DiagnosisConfig()
     node_check: NodeCheckConfig = NodeCheckConfig()
     max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
@@ -398,6 +403,22 @@ class JobConfig(_Strict):
                 f"http.port: on kubernetes an endpoint on {http.host} needs a fixed port "
                 "(the master Pod's containerPort and its Service's scrape annotations name it)"
             )
+        learned = self.step_timeout_factor is not None or self.step_timeout_min_s is not None
+        if learned and self.step_timeout_s is None:
+            raise ValueError(
+                "step_timeout_factor and step_timeout_min_s need step_timeout_s (the ceiling)"
+            )
+        if self.step_timeout_min_s is not None and self.step_timeout_factor is None:
+            raise ValueError("step_timeout_min_s needs step_timeout_factor (a learned bound)")
+        if (
+            self.step_timeout_min_s is not None
+            and self.step_timeout_s is not None
+            and self.step_timeout_min_s > self.step_timeout_s
+        ):
+            raise ValueError(
+                f"step_timeout_min_s {self.step_timeout_min_s:g} is over "
+                f"step_timeout_s {self.step_timeout_s:g}"
+            )
         unit = self.rendezvous.node_unit
         if unit > self.nodes.maximum or self.nodes.maximum // unit * unit < self.nodes.min:
             raise ValueError(
@@ -407,6 +428,17 @@ class JobConfig(_Strict):
         return self
 
     # ------------------------------------------------------------ resolved
+
+    def agent_step_timeout_flags(self) -> list[str]:
+        """The watchdog's flags for dlworker."""
+        flags: list[str] = []
+        if self.step_timeout_s is not None:
+            flags += ["--step-timeout", str(self.step_timeout_s)]
+        if self.step_timeout_factor is not None:
+            flags += ["--step-timeout-factor", str(self.step_timeout_factor)]
+        if self.step_timeout_min_s is not None:
+            flags += ["--step-timeout-min", str(self.step_timeout_min_s)]
+        return flags
 
     def path(self, value: Path) -> Path:
         return value if value.is_absolute() else (self.base_dir / value)

@@ -49,12 +49,15 @@ from dlfleet.api.diagnosis import (
     restart_only_table,
 )
 from dlfleet.api.errors import InvalidArgument
+from dlfleet.worker.agent.watchdog import DEFAULT_FLOOR_S, Bounds
 
 MASTER_ENV = "DLFLEET_MASTER"
 TOKEN_ENV = "DLFLEET_TOKEN"
 JOB_ENV = "DLFLEET_JOB"
 NODE_NAME_ENV = "DLFLEET_NODE_NAME"
 STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
+STEP_TIMEOUT_FACTOR_ENV = "DLFLEET_STEP_TIMEOUT_FACTOR"
+STEP_TIMEOUT_MIN_ENV = "DLFLEET_STEP_TIMEOUT_MIN"
 SPARES_ENV = "DLFLEET_SPARES"
 DIAGNOSIS_ENV = "DLFLEET_DIAGNOSIS"
 DIAGNOSIS_RULES_ENV = "DLFLEET_DIAGNOSIS_RULES"
@@ -186,6 +189,10 @@ class AgentConfig:
     job_name: str = "job"
     node_name: str = "localhost"
     step_timeout_s: float = 0.0  # 0: no watchdog
+    # A learned watchdog bound under step_timeout_s (dlfleet.worker.agent.watchdog):
+    # factor x a rank's longest gap between step reports, at least the floor.
+    step_timeout_factor: float = 0.0  # 0: the fixed bound only
+    step_timeout_min_s: float | None = None  # None: DEFAULT_FLOOR_S, at most the ceiling
     # Processes started ahead (interpreter and the script's imports done),
     # each ready to take over a failed rank at once; only for scripts that
     # run their training through `dlfleet.elastic.run`.
@@ -196,6 +203,13 @@ class AgentConfig:
     # The pre-flight node check before the node first trains (see
     # `dlfleet.worker.agent.node_check`); the master judges and pairs the nodes.
     node_check: bool = False
+
+    def step_bounds(self) -> Bounds | None:
+        """The watchdog's bounds; None when it is off."""
+        if not self.step_timeout_s:
+            return None
+        floor = self.step_timeout_min_s or min(DEFAULT_FLOOR_S, self.step_timeout_s)
+        return Bounds(self.step_timeout_s, self.step_timeout_factor, floor)
 
     def __post_init__(self) -> None:
         if not self.training_script:
@@ -216,6 +230,22 @@ class AgentConfig:
             raise ConfigError("--no-python", "cannot be combined with -m/--module")
         if self.step_timeout_s < 0:
             raise ConfigError("--step-timeout", f"must be >= 0 seconds, got {self.step_timeout_s}")
+        if self.step_timeout_factor and not self.step_timeout_s:
+            raise ConfigError(
+                "--step-timeout-factor", "needs --step-timeout (the bound's ceiling) as well"
+            )
+        if self.step_timeout_factor != 0 and not self.step_timeout_factor >= 2:
+            raise ConfigError(
+                "--step-timeout-factor", f"must be 0 (off) or >= 2, got {self.step_timeout_factor}"
+            )
+        floor = self.step_timeout_min_s
+        if floor is not None and not self.step_timeout_factor:
+            raise ConfigError("--step-timeout-min", "needs --step-timeout-factor as well")
+        if floor is not None and not 0 < floor <= self.step_timeout_s:
+            raise ConfigError(
+                "--step-timeout-min",
+                f"must be > 0 and at most --step-timeout {self.step_timeout_s:g}s, got {floor:g}",
+            )
         if not 0 <= self.spares <= 64:
             raise ConfigError("--spares", f"must be in 0..64, got {self.spares}")
         for name, spec in (("--redirects", self.redirects), ("--tee", self.tee)):
@@ -332,6 +362,23 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "restart the workers when a rank that has trained makes no step for this many "
             f"seconds, a hang (default off; env {STEP_TIMEOUT_ENV})"
+        ),
+    )
+    add(
+        "--step-timeout-factor",
+        dest="step_timeout_factor",
+        help=(
+            "learn each rank's bound instead: once it has reported steps a while in a round, "
+            "FACTOR x the longest gap between its reports, at least --step-timeout-min and at "
+            f"most --step-timeout (default 0: off; >= 2; env {STEP_TIMEOUT_FACTOR_ENV})"
+        ),
+    )
+    add(
+        "--step-timeout-min",
+        dest="step_timeout_min",
+        help=(
+            f"the least learned bound, seconds (default {DEFAULT_FLOOR_S:g}; "
+            f"env {STEP_TIMEOUT_MIN_ENV})"
         ),
     )
     add(
@@ -457,6 +504,16 @@ def _nproc(value: _Value, probe: HostProbe) -> int:
     return number
 
 
+def _number(value: _Value) -> float:
+    try:
+        number = float(value.text)
+    except ValueError:
+        raise ConfigError(value.source, f"expected a number, got {value.text!r}") from None
+    if not 0 <= number < float("inf"):
+        raise ConfigError(value.source, f"must be a finite number >= 0, got {value.text}")
+    return number
+
+
 def _seconds(value: _Value) -> float:
     try:
         seconds = float(value.text)
@@ -538,6 +595,8 @@ def parse_args(
     job = src.get("job_name", "--job-name", JOB_ENV)
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
     step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
+    step_factor = src.get("step_timeout_factor", "--step-timeout-factor", STEP_TIMEOUT_FACTOR_ENV)
+    step_min = src.get("step_timeout_min", "--step-timeout-min", STEP_TIMEOUT_MIN_ENV)
     spares = src.get("spares", "--spares", SPARES_ENV)
     node_check = src.flag("node_check", "--node-check", NODE_CHECK_ENV)
     diagnosis = _diagnosis(
@@ -565,6 +624,8 @@ def parse_args(
         job_name=job.text if job else "job",
         node_name=node.text if node else probe.hostname(),
         step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
+        step_timeout_factor=_number(step_factor) if step_factor else 0.0,
+        step_timeout_min_s=_seconds(step_min) if step_min else None,
         spares=_int(spares, 0) if spares else 1,
         diagnosis=diagnosis,
         node_check=node_check,

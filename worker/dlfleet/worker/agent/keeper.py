@@ -45,7 +45,7 @@ from pathlib import Path
 
 import grpc
 
-from dlfleet.api.client import MasterClient
+from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -61,6 +61,10 @@ REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
 REPLICA_WAIT_S = 1.0  # and then for every rank's copy on a second node
 REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
+# A master that has not answered a report for this long is taken as away (it
+# restarts, or is cut off): saves then stop waiting for it, see `saved`.
+MASTER_SLOW_S = 0.5
+_WAIT_SLICE_S = 0.05
 _OWNER_FILE = "owner"
 _FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -118,6 +122,8 @@ class ImageKeeper:
         self.replica_dir.mkdir(parents=True, exist_ok=True)
         (root / _OWNER_FILE).write_text(str(os.getpid()))
         self._client = client
+        # For the status polls a save waits on: one short attempt each.
+        self._quick = client.sharing_channel(timeout_s=0.5, retry=RetryPolicy(attempts=1))
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self.node_id = node_id
         self.incarnation = incarnation
@@ -126,6 +132,8 @@ class ImageKeeper:
         self._commits = threading.Condition(self._lock)
         self._committed = -1
         self._replicated_step = -1  # the master's word, as last heard
+        self._report_since: float | None = None  # a report in flight since (monotonic)
+        self._master_away = False  # the last call to the master failed
         self._own: dict[int, _Held] = {}  # newest own image per rank
         self._peer: str | None = None
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
@@ -198,10 +206,30 @@ class ImageKeeper:
         # COMMIT_WAIT_S) and replicated, so that losing any one node loses at
         # most the next step (at most REPLICA_WAIT_S more: a large image
         # replicates at the network's pace, and training must not).
+        # Only the master can say either, so while it is away (a restart
+        # takes seconds) waiting gains nothing: training goes on, and the
+        # steps commit once it answers again. Losing a node in that window
+        # too can lose the steps since the last commit.
+        deadline = time.monotonic() + COMMIT_WAIT_S
         with self._commits:
-            self._commits.wait_for(lambda: self._committed >= header.step, COMMIT_WAIT_S)
+            while self._committed < header.step and not self._master_away_locked():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._commits.wait(min(left, _WAIT_SLICE_S))
         self._wait_replicated(header.step, time.monotonic() + REPLICA_WAIT_S)
         return checkpoint_pb2.SavedAck(committed_step=self.committed)
+
+    def _master_away_locked(self) -> bool:
+        """The last call to the master failed, or a report has been in
+        flight for MASTER_SLOW_S (its retries ride out a restart)."""
+        since = self._report_since
+        return self._master_away or (since is not None and time.monotonic() - since > MASTER_SLOW_S)
+
+    @property
+    def master_away(self) -> bool:
+        with self._lock:
+            return self._master_away_locked()
 
     def _wait_replicated(self, step: int, deadline: float) -> None:
         """Until the master counts `step` replicated, or `deadline`. The
@@ -214,7 +242,7 @@ class ImageKeeper:
                 if self._peer is None or self._replicated_step >= step:
                     return
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._master_away_locked():
                     return
                 self._commits.wait_for(
                     lambda: self._peer is None or self._replicated_step >= step,
@@ -222,10 +250,12 @@ class ImageKeeper:
                 )
                 ask = self._replicated_step < step and self._own_copies_out(step)
             if ask and time.monotonic() < deadline:
-                try:
-                    heard = self._client.checkpoint_status().replicated_step
+                try:  # one quick attempt: the next poll is the retry
+                    heard = self._quick.checkpoint_status().replicated_step
                 except DlfleetError as exc:
                     _log.debug("checkpoint status not answered: %s", exc)
+                    with self._commits:
+                        self._master_away = True
                     continue
                 self._heard(heard)
 
@@ -242,6 +272,7 @@ class ImageKeeper:
         """The master's word on the newest replicated step (not a maximum: a
         restore abandons the steps after it)."""
         with self._commits:
+            self._master_away = False
             self._replicated_step = replicated_step
             self._commits.notify_all()
 
@@ -291,12 +322,20 @@ class ImageKeeper:
             copies=copies,
             dropped_below=self._oldest_held(),
         )
+        with self._commits:
+            self._report_since = time.monotonic()
         try:
             answer = self._client.report_checkpoint(report)
         except DlfleetError as exc:
             _log.warning("checkpoint report of step %d not taken: %s", step, exc)
+            with self._commits:
+                self._report_since = None
+                self._master_away = True
+                self._commits.notify_all()
             return -1
         with self._commits:
+            self._report_since = None
+            self._master_away = False
             # The master's word, not a maximum: a restore abandons the steps after
             # it, and the commits of the round that failed go with them.
             self._committed = answer.committed_step

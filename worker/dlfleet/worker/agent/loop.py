@@ -63,6 +63,7 @@ from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.agent.watchdog import StepPace
 from dlfleet.worker.agent.workers import (
     GroupStatus,
     WorkerFailure,
@@ -198,6 +199,7 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.rounds: list[RoundAssignment] = []
         self.progress_dir = self.log_dir / "progress"
+        self._paces: dict[tuple[str, int], StepPace] = {}  # (progress file, pid)
         self.sampler: NodeSampler | None = None
         self._sampled_at = 0.0
         # In-process restarts: the workers' order lines, served with the
@@ -404,6 +406,7 @@ class Agent:
         )
         self._envs = self._environments(assignment, phase.restart_count)
         self.progress_dir = attempt_log_dir(self.log_dir, assignment.round) / "progress"
+        self._paces.clear()  # each round learns its own pace
         self.progress_dir.mkdir(parents=True, exist_ok=True)
         if self.group is not None and (self.opted_in or not self.group.pids):
             # Restarting in place, or the first round of a warm start.
@@ -670,24 +673,40 @@ class Agent:
         self.session.metrics = self.sampler.sample()
 
     def _hung_rank(self) -> WorkerFailure | None:
-        """The watchdog: a rank that stepped once, then not for step_timeout."""
-        timeout = self.config.step_timeout_s
-        if timeout <= 0 or self.group is None:
+        """The watchdog: a rank that stepped once, then not for its bound
+        (`--step-timeout`, or learned: see `dlfleet.worker.agent.watchdog`)."""
+        bounds = self.config.step_bounds()
+        if bounds is None or self.group is None:
             return None
         now = time.time()
         for local_rank, pid in enumerate(self.group.pids):
             path = self.progress_dir / str(local_rank)
+            pace = self._paces.get((str(path), pid))
+            if pace is None:
+                pace = self._paces[(str(path), pid)] = StepPace(bounds)
+            try:
+                mtime: float | None = path.stat().st_mtime
+            except FileNotFoundError:
+                mtime = None
+            pace.saw(mtime)
+            if mtime is None:
+                continue
             counts = read_counts(str(path))
             if counts is None or counts[0] == 0:
                 continue  # not trained yet: start-up has no step to time
-            try:
-                stalled = now - path.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            if stalled > timeout:
+            stalled = now - mtime
+            limit = pace.limit()
+            if stalled > limit:
+                if bounds.factor and not pace.learning():
+                    why = (
+                        f"{bounds.factor:g} x the longest gap between its steps' reports, "
+                        f"{pace.longest:.2f}s, at least --step-timeout-min "
+                        f"{bounds.floor:g}s, at most --step-timeout {bounds.ceiling:g}s"
+                    )
+                else:
+                    why = f"--step-timeout {bounds.ceiling:g}s"
                 message = (
-                    f"hung: no training step for {stalled:.1f}s "
-                    f"(--step-timeout {timeout:g}s); the workers were stopped"
+                    f"hung: no training step for {stalled:.1f}s ({why}); the workers were stopped"
                 )
                 _log.error("local rank %d %s", local_rank, message)
                 return WorkerFailure(

@@ -498,8 +498,7 @@ class KubernetesPlatform(Platform[KubeNode]):
             "--nproc-per-node", str(config.nproc_per_node),
             "--max-restarts", str(config.max_restarts),
         ]  # fmt: skip
-        if config.step_timeout_s is not None:
-            command += ["--step-timeout", str(config.step_timeout_s)]
+        command += config.agent_step_timeout_flags()
         command += config.diagnosis.agent_flags()
         command += config.agent_node_check_flags()
         if config.module:

@@ -150,8 +150,7 @@ class LocalPlatform(Platform[LocalNode]):
             # then carries the end of its stderr (the traceback).
             "--tee", "3",
         ]  # fmt: skip
-        if config.step_timeout_s is not None:
-            command += ["--step-timeout", str(config.step_timeout_s)]
+        command += config.agent_step_timeout_flags()
         command += config.diagnosis.agent_flags()
         command += config.agent_node_check_flags()
         if config.module:
