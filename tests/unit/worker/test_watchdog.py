@@ -100,3 +100,15 @@ def test_bad_bounds_are_refused_naming_the_value(
 ) -> None:
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         Bounds(ceiling, factor, floor)
+
+
+def test_a_gap_while_the_master_was_away_is_not_learned() -> None:
+    """Saves and leases may wait for a master that restarts: that is not the
+    job's pace, and learning it would leave later hangs to the ceiling."""
+    pace = StepPace(Bounds(ceiling=5.0, factor=4.0, floor=2.0))
+    now = feed(pace, 0.0, [0.6] * WARMUP_WRITES)
+    assert pace.limit() == pytest.approx(2.4)
+    pace.saw(now + 1.9, excused_at=now + 0.7)  # the master was away within the gap
+    assert pace.limit() == pytest.approx(2.4)
+    pace.saw(now + 3.0, excused_at=now + 0.7)  # the next gap began after it: learned
+    assert pace.limit() == pytest.approx(4.4)

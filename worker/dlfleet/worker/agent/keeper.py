@@ -291,8 +291,19 @@ class ImageKeeper:
                     self._reports.put(None)
                     break
                 batch.append(more)
-            by_step: dict[tuple[int, int, int], list[_Held]] = {}
+            # Only each rank's newest image is worth a report: the master
+            # commits the newest step every rank holds, and the older ones
+            # are about to be dropped. After a master outage the backlog is
+            # then one report per step still open, not one per step missed,
+            # and the saves waiting for the current step's commit wait less.
+            newest: dict[int, _Held] = {}
             for held in batch:
+                h = held.header
+                kept = newest.get(h.rank)
+                if kept is None or (h.round, h.step) >= (kept.header.round, kept.header.step):
+                    newest[h.rank] = held
+            by_step: dict[tuple[int, int, int], list[_Held]] = {}
+            for held in newest.values():
                 h = held.header
                 by_step.setdefault((h.step, h.round, h.world_size), []).append(held)
             for (step, round_, world), images in sorted(by_step.items()):

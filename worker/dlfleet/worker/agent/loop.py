@@ -200,6 +200,7 @@ class Agent:
         self.rounds: list[RoundAssignment] = []
         self.progress_dir = self.log_dir / "progress"
         self._paces: dict[tuple[str, int], StepPace] = {}  # (progress file, pid)
+        self._master_away_at = float("-inf")  # when the watchdog last saw it away (wall)
         self.sampler: NodeSampler | None = None
         self._sampled_at = 0.0
         # In-process restarts: the workers' order lines, served with the
@@ -679,6 +680,8 @@ class Agent:
         if bounds is None or self.group is None:
             return None
         now = time.time()
+        if self.keeper is not None and self.keeper.master_away:
+            self._master_away_at = now
         for local_rank, pid in enumerate(self.group.pids):
             path = self.progress_dir / str(local_rank)
             pace = self._paces.get((str(path), pid))
@@ -688,7 +691,7 @@ class Agent:
                 mtime: float | None = path.stat().st_mtime
             except FileNotFoundError:
                 mtime = None
-            pace.saw(mtime)
+            pace.saw(mtime, excused_at=self._master_away_at)
             if mtime is None:
                 continue
             counts = read_counts(str(path))

@@ -17,7 +17,10 @@ healthy file grows up to that old between writes whatever the step time.
 The longest gap only grows within a round, and a round starts learning
 afresh (its first steps restore state, build the process group, warm up).
 Time off the watch (`progress.idle()` removes the file: evaluation, the end of
-an epoch) is not a gap: the next write starts a new one.
+an epoch) is not a gap: the next write starts a new one. Nor is a gap during
+which the master was away (it restarts in a second or two, and saves and
+leases may wait for it): that is not the job's pace, and learning it would
+leave every later hang of the round to the ceiling.
 
 Pure: the caller gives the file's modification times; tested by properties in
 tests/unit/worker/test_watchdog.py.
@@ -62,15 +65,17 @@ class StepPace:
         self.longest = 0.0  # the longest of them, seconds
         self._last: float | None = None  # the file's mtime at the last write seen
 
-    def saw(self, mtime: float | None) -> None:
+    def saw(self, mtime: float | None, excused_at: float = float("-inf")) -> None:
         """The file's modification time now (None: no file, the rank is idle
-        or has not started)."""
+        or has not started). `excused_at`: the last moment (same clock) the
+        rank had a cause to wait that is not its own pace (the master was
+        away); a gap that spans it is not learned."""
         if mtime is None:
             self._last = None
             return
         if mtime == self._last:
             return
-        if self._last is not None and mtime > self._last:
+        if self._last is not None and mtime > self._last and excused_at < self._last:
             self.longest = max(self.longest, mtime - self._last)
             self.learned += 1
         self._last = mtime
