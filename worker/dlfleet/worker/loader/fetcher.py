@@ -213,7 +213,7 @@ class LeaseFetcher:
         raise RuntimeError(f"unexpected lease answer {kind!r} for dataset {self._dataset!r}")
 
     def _leased(self, shard: shards_pb2.Shard) -> LeasedShard:
-        self._ledger.add(shard.lease_id, shard.end - shard.start)
+        self._ledger.add(shard.lease_id, shard.end - shard.start, shard.epoch, shard.start)
         if self._renew_interval_s is None:
             # A third of the lease's time to live, measured on its first lease.
             ttl_s = shard.deadline_unix_ms / 1000 - time.time()

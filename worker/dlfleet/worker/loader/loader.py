@@ -249,6 +249,7 @@ class ShardedDataLoader:
                 assert self._client is not None
                 self._client.restore(self._pending_restore, round=self.env.round)
                 self._pending_restore = None
+                stream.forget_base()
             stream.start()
         return stream
 
@@ -263,7 +264,14 @@ class ShardedDataLoader:
             self._client = MasterClient(self.env.master, token=self.env.token)
             self._register(self._client)
             self.stream = LeasedStream(
-                self._client, self.name, self.env, self.mode, self.global_batch, self._world
+                self._client,
+                self.name,
+                self.env,
+                self.mode,
+                self.global_batch,
+                self._world,
+                epoch_length=self._epoch_length,
+                epochs=self.epochs,
             )
             self._registered = True
         assert isinstance(self.stream, LeasedStream)

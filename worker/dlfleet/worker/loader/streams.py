@@ -23,19 +23,24 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import logging
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from dlfleet.api.client import MasterClient
-from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.errors import InvalidArgument, Unavailable
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
 from dlfleet.worker.loader.fetcher import EndOfDataset, EndOfEpoch, LeasedShard, LeaseFetcher
 from dlfleet.worker.loader.ledger import LeaseLedger
 from dlfleet.worker.loader.slicing import BatchCutter, GlobalBatch, Segment
+from dlfleet.worker.loader.snapshot import local_snapshot
+
+_log = logging.getLogger(__name__)
 
 ACK_FLUSH_TIMEOUT_S = 30.0
+QUICK_SNAPSHOT_S = 0.5  # a snapshot not answered within this is computed here
 
 
 class EpochStream(abc.ABC):
@@ -113,6 +118,9 @@ class LeasedStream(EpochStream):
         mode: LoaderMode,
         global_batch: int,
         world_size: int,
+        *,
+        epoch_length: int,
+        epochs: int,
     ) -> None:
         super().__init__(global_batch, world_size)
         self.client = client
@@ -122,6 +130,13 @@ class LeasedStream(EpochStream):
         self.ledger = LeaseLedger()
         self.fetcher: LeaseFetcher | None = None
         self._cutter: BatchCutter | None = None
+        self.epoch_length = epoch_length
+        self.epochs = epochs
+        # For the snapshots a save waits on: one short attempt, see snapshot().
+        self._quick = client.sharing_channel(
+            timeout_s=QUICK_SNAPSHOT_S, retry=RetryPolicy(attempts=1)
+        )
+        self._base: tuple[shards_pb2.DatasetSnapshot, int] | None = None  # the last, its mark
 
     @property
     def started(self) -> bool:
@@ -176,9 +191,41 @@ class LeasedStream(EpochStream):
             self.ledger.wait_acked(ACK_FLUSH_TIMEOUT_S)
 
     def snapshot(self) -> shards_pb2.DatasetSnapshot:
+        """The master's snapshot as of the completed batches. In sync mode,
+        a master that does not answer at once (it restarts) is not waited
+        for: the snapshot is computed from the last one it gave and what was
+        trained since (snapshot.py), so checkpoints go on without it."""
         self.complete_received()
-        round_ = self.env.round if self.mode is LoaderMode.SYNC else 0
-        return self.client.snapshot(self.dataset, round=round_, progress=self.ledger.progress())
+        if self.mode is not LoaderMode.SYNC:
+            return self.client.snapshot(self.dataset, progress=self.ledger.progress())
+        mark = self.ledger.ack_mark()
+        progress = self.ledger.progress()
+        if self._base is not None:
+            try:
+                snap = self._quick.snapshot(self.dataset, round=self.env.round, progress=progress)
+            except Unavailable as exc:
+                base, since = self._base
+                _log.info(
+                    "dataset %r: the master did not answer a snapshot (%s); computed it from "
+                    "the last one and the leases trained since",
+                    self.dataset,
+                    exc,
+                )
+                return local_snapshot(
+                    base,
+                    self.ledger.trained_since(since),
+                    epoch_length=self.epoch_length,
+                    epochs=self.epochs,
+                )
+        else:  # the first: nothing to compute one from
+            snap = self.client.snapshot(self.dataset, round=self.env.round, progress=progress)
+        self._base = (snap, mark)
+        self.ledger.forget_acked(mark)
+        return snap
+
+    def forget_base(self) -> None:
+        """The dataset was put back (a restore): the last snapshot is history."""
+        self._base = None
 
     def close(self) -> None:
         if self.fetcher is not None:
