@@ -130,10 +130,13 @@ def shuffle_share(records: npt.NDArray[np.int64], key: int) -> list[int]:
     if len(records) < 2:
         out: list[int] = records.tolist()
         return out
-    # uint64 arithmetic wraps, as the hash wants.
-    h = np.arange(len(records), dtype=np.uint64) + np.uint64(key)
-    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    # splitmix64 of (key + index), in place: uint64 arithmetic wraps.
+    h = np.arange(len(records), dtype=np.uint64)
+    h += np.uint64(key)
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(0x94D049BB133111EB)
     h ^= h >> np.uint64(31)
     shuffled: list[int] = records[np.argsort(h)].tolist()
     return shuffled

@@ -19,8 +19,10 @@ block (the position before the shuffle window moved it). A global batch's
 contiguous positions are spread over all of a window's blocks, so a rank
 given a slice of positions would read every block of every window: W times
 the records it trains. `in_read_order` gives a batch's records sorted by read
-position instead, so that the loader can give each rank a contiguous run of
-them, a contiguous run of blocks (see slicing.py).
+position instead (every other window backwards, so that the block a window
+boundary cuts falls to the same rank on both sides), so that the loader can
+give each rank a contiguous run of them, a contiguous run of blocks (see
+slicing.py).
 
 A rank asks for a few dozen positions a step, in increasing order, so the
 mapping is composed a window at a time (`SPAN` positions without a window)
@@ -83,7 +85,8 @@ class BlockOrder:
         # SPAN positions without one), and the last spans kept: a rank asks
         # for its runs in increasing order, a few dozen positions at a time.
         self._span = self.window if self.window > 1 else SPAN
-        # Per span: (read positions, records) of its positions.
+        # Per span: the records of its positions, and their read keys (see
+        # _span_of).
         self._spans: OrderedDict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
             OrderedDict()
         )
@@ -102,7 +105,7 @@ class BlockOrder:
             while at < end:
                 number, offset = divmod(at, span)
                 take = min(end - at, span - offset)
-                out.extend(self._span_of(number)[1][offset : offset + take].tolist())
+                out.extend(self._span_of(number)[0][offset : offset + take].tolist())
                 at += take
         return out
 
@@ -110,7 +113,7 @@ class BlockOrder:
         """The records of the positions of each run [start, end), sorted by
         where they are read this epoch: block by block, front to back within
         even shuffle windows and back to front within odd ones."""
-        reads: list[npt.NDArray[np.int64]] = []
+        keys: list[npt.NDArray[np.int64]] = []
         records: list[npt.NDArray[np.int64]] = []
         span = self._span
         for start, end in runs:
@@ -122,22 +125,15 @@ class BlockOrder:
             while at < end:
                 number, offset = divmod(at, span)
                 take = min(end - at, span - offset)
-                span_reads, span_records = self._span_of(number)
-                reads.append(span_reads[offset : offset + take])
+                span_records, span_keys = self._span_of(number)
+                keys.append(span_keys[offset : offset + take])
                 records.append(span_records[offset : offset + take])
                 at += take
-        if not reads:
+        if not keys:
             return np.empty(0, dtype=np.int64)
-        at_reads = reads[0] if len(reads) == 1 else np.concatenate(reads)
-        at_records = records[0] if len(records) == 1 else np.concatenate(records)
-        if self.window > 1:
-            # Every other window backwards: the block a window boundary cuts
-            # goes to the same end of the order, so to the same rank, in
-            # both windows.
-            windows = at_reads // span
-            backwards = (windows & 1).astype(bool)
-            at_reads = np.where(backwards, 2 * windows * span + span - 1 - at_reads, at_reads)
-        return at_records[np.argsort(at_reads)]
+        if len(keys) == 1:
+            return records[0][np.argsort(keys[0])]
+        return np.concatenate(records)[np.argsort(np.concatenate(keys))]
 
     def following(self, record: int, count: int) -> list[int]:
         """First records of the `count` blocks visited after the block of
@@ -148,9 +144,12 @@ class BlockOrder:
         return out
 
     def _span_of(self, number: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Read positions and records of positions [number * span,
+        """Records, and their read keys, of positions [number * span,
         (number + 1) * span): the window's permutation and the block order,
-        composed once per window."""
+        composed once per window. A read key is the record's read position,
+        taken backwards within odd windows: the block a window boundary cuts
+        then goes to the same end of the read order, so to the same rank,
+        in both windows."""
         cached = self._spans.get(number)
         if cached is not None:
             self._spans.move_to_end(number)
@@ -164,7 +163,9 @@ class BlockOrder:
             positions = np.arange(first, first + length, dtype=np.int64)
         visited = np.searchsorted(self._positions, positions, side="right") - 1
         records = self._starts[visited] + (positions - self._positions[visited])
-        self._spans[number] = (positions, records)
+        backwards = self.window > 1 and number % 2 == 1
+        keys = 2 * first + self._span - 1 - positions if backwards else positions
+        self._spans[number] = (records, keys)
         while len(self._spans) > KEEP_SPANS:
             self._spans.popitem(last=False)
-        return positions, records
+        return records, keys
