@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,8 @@ from dlfleet.worker.loader.slicing import (
     GlobalBatch,
     Segment,
     batches_per_epoch,
+    share_key,
+    shuffle_share,
 )
 
 
@@ -75,3 +78,24 @@ def test_a_tail_of_at_least_the_world_is_its_own_batch_split_evenly() -> None:
 def test_a_global_batch_smaller_than_the_world_is_rejected() -> None:
     with pytest.raises(ValueError, match="cannot be split"):
         BatchCutter(1, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    records=st.lists(st.integers(0, 10**9), unique=True, max_size=300),
+    seed=st.integers(0, 2**64),
+    epoch=st.integers(0, 9),
+    round_=st.integers(0, 9),
+    first=st.integers(0, 10**7),
+)
+def test_a_share_is_shuffled_the_same_for_the_same_seed_epoch_round_and_batch(
+    records: list[int], seed: int, epoch: int, round_: int, first: int
+) -> None:
+    values = np.array(records, dtype=np.int64)
+    key = share_key(seed, epoch, round_, first)
+    shuffled = shuffle_share(values, key)
+    assert sorted(shuffled) == sorted(records)
+    assert shuffle_share(values, share_key(seed, epoch, round_, first)) == shuffled
+    if len(records) >= 8:  # another batch (or round): another order
+        assert shuffle_share(values, share_key(seed, epoch, round_, first + 1)) != shuffled
+        assert shuffle_share(values, share_key(seed, epoch, round_ + 1, first)) != shuffled

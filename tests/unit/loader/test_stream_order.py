@@ -127,3 +127,32 @@ def test_following_names_the_blocks_visited_next() -> None:
     firsts = visited[::4]  # a block's first record, in the order visited
     assert order.following(firsts[0], 2) == firsts[1:3]
     assert order.following(firsts[-1] + 3, 1) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
+    block=st.integers(1, 9),
+    window=st.integers(0, 30),
+    seed=st.integers(0, 2**40),
+    shuffle=st.booleans(),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_a_batch_in_read_order_holds_its_records_sorted_by_block_then_offset(
+    counts: list[int], block: int, window: int, seed: int, shuffle: bool, cuts: list[int]
+) -> None:
+    starts, lengths = blocks(counts, block)
+    size = sum(counts)
+    order = BlockOrder(starts, lengths, seed, 1, shuffle, window)
+    edges = sorted({0, size, *(c % (size + 1) for c in cuts)})
+    runs = list(itertools.pairwise(edges))[::-1]  # segments come in any order
+    records = order.in_read_order(runs).tolist()
+    assert sorted(records) == sorted(order.ranges(runs))
+    # Where each record is read: its block's turn in the epoch, then its
+    # offset in the block (the order without a window); every other shuffle
+    # window is taken backwards.
+    visited = BlockOrder(starts, lengths, seed, 1, shuffle, 0).ranges([(0, size)])
+    read = {r: p for p, r in enumerate(visited)}
+    span = window if shuffle and window > 1 else size
+    keys = [(read[r] // span, read[r] if read[r] // span % 2 == 0 else -read[r]) for r in records]
+    assert keys == sorted(keys)

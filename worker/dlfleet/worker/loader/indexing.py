@@ -31,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from dlfleet.api.permutation import EpochPermutation, _mix64
@@ -46,6 +48,16 @@ class PositionOrder(Protocol):
     """Positions of one epoch -> record indices (what the loader needs)."""
 
     def ranges(self, runs: Sequence[tuple[int, int]]) -> list[int]: ...
+
+
+@runtime_checkable
+class ReadOrder(PositionOrder, Protocol):
+    """An order whose records are read sequentially, block by block (a file
+    catalog's): the loader splits a global batch between ranks by where its
+    records are read, so that each rank reads about 1/W of the blocks (see
+    slicing.py)."""
+
+    def in_read_order(self, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.int64]: ...
 
 
 @runtime_checkable

@@ -21,7 +21,10 @@ Modes (decided once, at construction):
 Datasets: any map-style dataset, positions mapped to records by the epoch's
 `EpochPermutation`; a dataset that decides its own epoch order
 (`indexing.OrderedDataset`: a `FileCatalog` of streamed files, which visits
-blocks of files in a seeded order) is mapped by that order instead.
+blocks of files in a seeded order) is mapped by that order instead. When that
+order is read in blocks (`indexing.ReadOrder`), a global batch is split
+between ranks by block, not by position (slicing.py), so that in sync mode a
+rank reads about the blocks it trains, not every block of the round's.
 
 Invariants:
 - `__iter__` yields one epoch; iterating again continues with the next epoch,
@@ -53,8 +56,19 @@ from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.worker import elastic, progress
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
-from dlfleet.worker.loader.indexing import OrderedDataset, PositionIndexer, PositionOrder
-from dlfleet.worker.loader.slicing import GlobalBatch, batches_per_epoch
+from dlfleet.worker.loader.indexing import (
+    OrderedDataset,
+    PositionIndexer,
+    PositionOrder,
+    ReadOrder,
+)
+from dlfleet.worker.loader.slicing import (
+    GlobalBatch,
+    batches_per_epoch,
+    rank_bounds,
+    share_key,
+    shuffle_share,
+)
 from dlfleet.worker.loader.streams import EpochStream, LeasedStream, LocalStream
 
 MAX_NAME_LENGTH = 200
@@ -101,11 +115,14 @@ class ShardedDataLoader:
         self.global_batch = batch_size * world
         self._world = world
         self._rank = self.env.rank if self.mode is not LoaderMode.ASYNC else 0
+        self._round = self.env.round if self.mode is LoaderMode.SYNC else 0
         self._epoch_length = _epoch_length(self.size, self.global_batch, drop_last)
         self._client: MasterClient | None = None
         self._registered = False
         self._pending_restore: shards_pb2.DatasetSnapshot | None = None
-        self._permutation: tuple[int, PositionOrder] | None = None
+        # (epoch, its order, the order again if it is read in blocks and
+        # more than one rank splits each batch)
+        self._permutation: tuple[int, PositionOrder, ReadOrder | None] | None = None
         self.stream: EpochStream
         if self.mode is LoaderMode.LOCAL:
             self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
@@ -225,10 +242,17 @@ class ShardedDataLoader:
     # ----------------------------------------------------------- internals
 
     def rank_slice(self, batch: GlobalBatch) -> list[int]:
-        runs = batch.rank_ranges(self._rank, self._world)
-        return self._indexer(batch.epoch).ranges(runs)
+        order, read_order = self._indexer(batch.epoch)
+        if read_order is None:
+            return order.ranges(batch.rank_ranges(self._rank, self._world))
+        # Split by block: this rank's run of the batch's records in read
+        # order, then shuffled, so that its batch is not sorted by block.
+        records = read_order.in_read_order(batch.runs())
+        lo, hi = rank_bounds(len(records), self._rank, self._world)
+        key = share_key(self.seed, batch.epoch, self._round, batch.first)
+        return shuffle_share(records[lo:hi], key)
 
-    def _indexer(self, epoch: int) -> PositionOrder:
+    def _indexer(self, epoch: int) -> tuple[PositionOrder, ReadOrder | None]:
         if self._permutation is None or self._permutation[0] != epoch:
             order: PositionOrder
             if isinstance(self.dataset, OrderedDataset):
@@ -237,8 +261,10 @@ class ShardedDataLoader:
                 order = self.dataset.epoch_order(self.seed, epoch, self.shuffle)
             else:
                 order = PositionIndexer(EpochPermutation(self.size, self.seed, epoch, self.shuffle))
-            self._permutation = (epoch, order)
-        return self._permutation[1]
+            # One rank takes whole batches: nothing to split.
+            split = order if self._world > 1 and isinstance(order, ReadOrder) else None
+            self._permutation = (epoch, order, split)
+        return self._permutation[1], self._permutation[2]
 
     def _start(self) -> EpochStream:
         if self.mode is LoaderMode.LOCAL:

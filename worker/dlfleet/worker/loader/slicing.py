@@ -8,9 +8,20 @@ batch over shard boundaries so that batches stay full. Each rank takes the
 slice `[r * n // W, (r + 1) * n // W)` of a global batch of `n` positions, so a
 full global batch gives every rank exactly `global_batch / W` records.
 
+Split by block: a dataset read sequentially in blocks (a file catalog,
+`indexing.ReadOrder`) would make every rank read every block of the batch's
+shuffle window, W times what it trains, if ranks took slices of positions.
+For one, the batch's records are first sorted by where they are read (block,
+then offset in the block), rank r takes the same slice `[r * n // W,
+(r + 1) * n // W)` of that order, a contiguous run of blocks, and
+`shuffle_share` permutes it (seeded by `share_key`: seed, epoch, round and
+the batch) so that the rank's batch is not block-sorted. The global batch's
+records, and each rank's count, are the same either way.
+
 Invariants (checked by tests/unit/loader/test_loader_slicing.py):
 - Every position pushed into an epoch is in exactly one global batch, and in
-  exactly one rank's slice of it: nothing is lost, nothing is repeated.
+  exactly one rank's slice of it (of positions, or of the read order):
+  nothing is lost, nothing is repeated.
 - Every global batch gives every rank one batch, so all ranks yield the same
   number of batches per epoch (a collective can never hang on the data).
 - Every global batch is full except the last of the epoch. The tail of an epoch
@@ -25,6 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dlfleet.api.permutation import _mix64
+
+_MASK64 = (1 << 64) - 1
+_SALT_SHARE = 0x5AA2E
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,15 @@ class GlobalBatch:
                 break
         return out
 
+    @property
+    def first(self) -> int:
+        """The batch's first position: with the epoch and round, its name."""
+        return self.segments[0].start
+
+    def runs(self) -> list[tuple[int, int]]:
+        """All of the batch's positions as runs [start, end), in order."""
+        return [(s.start, s.end) for s in self.segments]
+
     def lease_counts(self) -> list[tuple[int, int]]:
         """(lease id, positions of that lease in this batch), in order."""
         return [(s.lease_id, s.length) for s in self.segments]
@@ -86,6 +114,32 @@ def rank_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     return rank * size // world_size, (rank + 1) * size // world_size
+
+
+def share_key(seed: int, epoch: int, round_: int, first: int) -> int:
+    """The seed of one rank's shuffle of its share of one global batch."""
+    key = _SALT_SHARE
+    for part in (seed, epoch, round_, first):
+        key = _mix64(key ^ (part & _MASK64))
+    return key
+
+
+def shuffle_share(records: npt.NDArray[np.int64], key: int) -> list[int]:
+    """`records` in an order that is a pure function of `key` and their
+    count: sorted by a splitmix64 hash of (key + index)."""
+    if len(records) < 2:
+        out: list[int] = records.tolist()
+        return out
+    # splitmix64 of (key + index), in place: uint64 arithmetic wraps.
+    h = np.arange(len(records), dtype=np.uint64)
+    h += np.uint64(key)
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(31)
+    shuffled: list[int] = records[np.argsort(h)].tolist()
+    return shuffled
 
 
 def batches_per_epoch(epoch_length: int, global_batch: int, world_size: int) -> int:

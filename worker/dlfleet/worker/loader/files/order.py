@@ -13,6 +13,17 @@ of all blocks, of all files, reading each block front to back. A bounded
 deterministic counterpart of a streaming shuffle buffer of `window` records,
 which touches at most window/block + 2 blocks at a time.
 
+Why read positions: a position's *read position* is where its record is read
+in the epoch: the visited block's turn, then the record's offset in that
+block (the position before the shuffle window moved it). A global batch's
+contiguous positions are spread over all of a window's blocks, so a rank
+given a slice of positions would read every block of every window: W times
+the records it trains. `in_read_order` gives a batch's records sorted by read
+position instead (every other window backwards, so that the block a window
+boundary cuts falls to the same rank on both sides), so that the loader can
+give each rank a contiguous run of them, a contiguous run of blocks (see
+slicing.py).
+
 A rank asks for a few dozen positions a step, in increasing order, so the
 mapping is composed a window at a time (`SPAN` positions without a window)
 and the last `KEEP_SPANS` are kept: a step's positions are then one slice,
@@ -22,6 +33,8 @@ Invariants (tests/unit/loader/test_stream_order.py):
 - Each epoch's mapping is a bijection of [0, size): composed of a block
   permutation and per-window permutations, each a bijection.
 - Without shuffling a position is its record (files in catalog order).
+- `in_read_order(runs)` holds the records of `ranges(runs)`, each once,
+  sorted by read position.
 - Memory is O(blocks + KEEP_SPANS * window), never O(records).
 """
 
@@ -72,7 +85,11 @@ class BlockOrder:
         # SPAN positions without one), and the last spans kept: a rank asks
         # for its runs in increasing order, a few dozen positions at a time.
         self._span = self.window if self.window > 1 else SPAN
-        self._spans: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
+        # Per span: the records of its positions, and their read keys (see
+        # _span_of).
+        self._spans: OrderedDict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
+            OrderedDict()
+        )
 
     def ranges(self, runs: Sequence[tuple[int, int]]) -> list[int]:
         """Record indices of the positions of each run [start, end), in order
@@ -88,9 +105,35 @@ class BlockOrder:
             while at < end:
                 number, offset = divmod(at, span)
                 take = min(end - at, span - offset)
-                out.extend(self._records(number)[offset : offset + take].tolist())
+                out.extend(self._span_of(number)[0][offset : offset + take].tolist())
                 at += take
         return out
+
+    def in_read_order(self, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.int64]:
+        """The records of the positions of each run [start, end), sorted by
+        where they are read this epoch: block by block, front to back within
+        even shuffle windows and back to front within odd ones."""
+        keys: list[npt.NDArray[np.int64]] = []
+        records: list[npt.NDArray[np.int64]] = []
+        span = self._span
+        for start, end in runs:
+            if start >= end:
+                continue
+            if start < 0 or end > self.size:
+                raise IndexError(f"positions [{start}, {end}) outside [0, {self.size})")
+            at = start
+            while at < end:
+                number, offset = divmod(at, span)
+                take = min(end - at, span - offset)
+                span_records, span_keys = self._span_of(number)
+                keys.append(span_keys[offset : offset + take])
+                records.append(span_records[offset : offset + take])
+                at += take
+        if not keys:
+            return np.empty(0, dtype=np.int64)
+        if len(keys) == 1:
+            return records[0][np.argsort(keys[0])]
+        return np.concatenate(records)[np.argsort(np.concatenate(keys))]
 
     def following(self, record: int, count: int) -> list[int]:
         """First records of the `count` blocks visited after the block of
@@ -100,9 +143,13 @@ class BlockOrder:
         out: list[int] = self._starts[turn + 1 : turn + 1 + count].tolist()
         return out
 
-    def _records(self, number: int) -> npt.NDArray[np.int64]:
-        """The records of positions [number * span, (number + 1) * span): the
-        window's permutation and the block order, composed once per window."""
+    def _span_of(self, number: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Records, and their read keys, of positions [number * span,
+        (number + 1) * span): the window's permutation and the block order,
+        composed once per window. A read key is the record's read position,
+        taken backwards within odd windows: the block a window boundary cuts
+        then goes to the same end of the read order, so to the same rank,
+        in both windows."""
         cached = self._spans.get(number)
         if cached is not None:
             self._spans.move_to_end(number)
@@ -116,7 +163,9 @@ class BlockOrder:
             positions = np.arange(first, first + length, dtype=np.int64)
         visited = np.searchsorted(self._positions, positions, side="right") - 1
         records = self._starts[visited] + (positions - self._positions[visited])
-        self._spans[number] = records
+        backwards = self.window > 1 and number % 2 == 1
+        keys = 2 * first + self._span - 1 - positions if backwards else positions
+        self._spans[number] = (records, keys)
         while len(self._spans) > KEEP_SPANS:
             self._spans.popitem(last=False)
-        return records
+        return records, keys
