@@ -46,7 +46,7 @@ from pathlib import Path
 import grpc
 
 from dlfleet.api.client import MasterClient, RetryPolicy
-from dlfleet.api.errors import DlfleetError
+from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.checkpoint import files
@@ -64,6 +64,8 @@ REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
 # A master that has not answered a report for this long is taken as away (it
 # restarts, or is cut off): saves then stop waiting for it, see `saved`.
 MASTER_SLOW_S = 0.5
+REPORT_TIMEOUT_S = 2.0  # one attempt of an own report; then it is sent again
+REPORT_RETRY_S = 0.1  # how soon, while the master is away
 _WAIT_SLICE_S = 0.05
 _OWNER_FILE = "owner"
 _FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
@@ -124,6 +126,9 @@ class ImageKeeper:
         self._client = client
         # For the status polls a save waits on: one short attempt each.
         self._quick = client.sharing_channel(timeout_s=0.5, retry=RetryPolicy(attempts=1))
+        self._quick_reports = client.sharing_channel(
+            timeout_s=REPORT_TIMEOUT_S, retry=RetryPolicy(attempts=1)
+        )
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self.node_id = node_id
         self.incarnation = incarnation
@@ -255,7 +260,7 @@ class ImageKeeper:
                 except DlfleetError as exc:
                     _log.debug("checkpoint status not answered: %s", exc)
                     with self._commits:
-                        self._master_away = True
+                        self._master_away = self._master_away or isinstance(exc, Unavailable)
                     continue
                 self._heard(heard)
 
@@ -277,11 +282,21 @@ class ImageKeeper:
             self._commits.notify_all()
 
     def _report_loop(self) -> None:
+        """Report what this node's ranks saved, newest first in line. A report
+        the master did not take for being away is sent again every
+        REPORT_RETRY_S (unless a newer image of its rank came), one attempt
+        each, so the first attempt after the master is back is within that,
+        not after a back-off of up to a second."""
+        unsent: list[_Held] = []
         while True:
-            first = self._reports.get()
+            try:
+                first = self._reports.get(timeout=REPORT_RETRY_S if unsent else None)
+            except queue.Empty:
+                first = unsent.pop()
             if first is None:
                 return
-            batch = [first]
+            batch = [*unsent, first]
+            unsent = []
             while True:  # the other local ranks' saves of the step, if already in
                 try:
                     more = self._reports.get_nowait()
@@ -307,13 +322,15 @@ class ImageKeeper:
                 h = held.header
                 by_step.setdefault((h.step, h.round, h.world_size), []).append(held)
             for (step, round_, world), images in sorted(by_step.items()):
-                self._report(step, round_, world, images, replica=False)
+                if self._report(step, round_, world, images, replica=False) is None:
+                    unsent += images if self.master_away else []
 
     def _report(
         self, step: int, round_: int, world: int, images: list[_Held], *, replica: bool
-    ) -> int:
-        """Tell the master; the newest replicated step it answers (-1: none,
-        or no answer)."""
+    ) -> int | None:
+        """Tell the master; the newest replicated step it answers (-1: none;
+        None: not taken). An own report makes one attempt (the report loop
+        sends it again); a replica's rides out a master restart."""
         copies = [
             checkpoint_pb2.ImageCopy(
                 rank=held.header.rank,
@@ -333,19 +350,27 @@ class ImageKeeper:
             copies=copies,
             dropped_below=self._oldest_held(),
         )
-        with self._commits:
-            self._report_since = time.monotonic()
-        try:
-            answer = self._client.report_checkpoint(report)
-        except DlfleetError as exc:
-            _log.warning("checkpoint report of step %d not taken: %s", step, exc)
+        if not replica:
             with self._commits:
-                self._report_since = None
-                self._master_away = True
+                self._report_since = time.monotonic()
+        try:
+            client = self._client if replica else self._quick_reports
+            answer = client.report_checkpoint(report)
+        except DlfleetError as exc:
+            away = isinstance(exc, Unavailable)
+            if away:
+                _log.debug("checkpoint report of step %d not taken: %s", step, exc)
+            else:
+                _log.warning("checkpoint report of step %d not taken: %s", step, exc)
+            with self._commits:
+                if not replica:
+                    self._report_since = None
+                self._master_away = self._master_away or away
                 self._commits.notify_all()
-            return -1
+            return None
         with self._commits:
-            self._report_since = None
+            if not replica:
+                self._report_since = None
             self._master_away = False
             # The master's word, not a maximum: a restore abandons the steps after
             # it, and the commits of the round that failed go with them.
@@ -460,7 +485,9 @@ class ImageKeeper:
             [_Held(header_path, renamed)],
             replica=True,
         )
-        return checkpoint_pb2.ReplicateAck(bytes=received, replicated_step=replicated_step)
+        return checkpoint_pb2.ReplicateAck(
+            bytes=received, replicated_step=-1 if replicated_step is None else replicated_step
+        )
 
     @staticmethod
     def _replica_slot(folder: Path, rank: int) -> int:
