@@ -18,6 +18,8 @@ answer:
 * heartbeat: `Nodes.Heartbeat` unary calls, 64 in flight.
 * session beat: one `SessionMessage` with node metrics per node on its open
   session stream (how real agents beat), a few times over.
+* paced beat: the same beats, every node's every `--interval` s spread
+  evenly over `--paced` s, as a fleet's arrive (each wakes the master alone).
 * lease+ack: async-mode (rank consumer) `Lease` then `Report(done)`, 64 in flight.
 
 `--profile DIR`: the master runs under cProfile, one profile per phase
@@ -207,23 +209,43 @@ class Fleet:
         await bounded(one, calls, IN_FLIGHT)
         return (self.master.cpu() - cpu0) / calls * 1000
 
+    def beat(self, k: int, r: int) -> None:
+        """Node `k`'s beat with its metrics, as an agent sends it."""
+        node_id, inc = self.ids[k]
+        metrics = rendezvous_pb2.NodeMetrics(
+            cpu_percent=700.0 + r, rss_bytes=1 << 33, peak_rss_bytes=1 << 34,
+            steps_per_second=2.5, samples_per_second=80.0, step_time_ms=400.0, steps=r + k,
+        )  # fmt: skip
+        beat = rendezvous_pb2.SessionMessage(
+            node_id=node_id, incarnation=inc, round=self.round, metrics=metrics
+        )
+        self.sessions[k].outbox.put_nowait(beat)
+
     async def session_beats(self, calls: int) -> float:
+        """Every node beats at once, `calls // N` times: the cost of a beat
+        read in a burst."""
         rounds = max(1, calls // self.n)
         cpu0 = self.master.cpu()
         for r in range(rounds):
-            for k, (node_id, inc) in enumerate(self.ids):
-                metrics = rendezvous_pb2.NodeMetrics(
-                    cpu_percent=700.0 + r, rss_bytes=1 << 33, peak_rss_bytes=1 << 34,
-                    steps_per_second=2.5, samples_per_second=80.0, step_time_ms=400.0,
-                    steps=r + k,
-                )  # fmt: skip
-                beat = rendezvous_pb2.SessionMessage(
-                    node_id=node_id, incarnation=inc, round=self.round, metrics=metrics
-                )
-                self.sessions[k].outbox.put_nowait(beat)
+            for k in range(self.n):
+                self.beat(k, r)
             await asyncio.sleep(0)
         await self.settled()
         return (self.master.cpu() - cpu0) / (rounds * self.n) * 1000
+
+    async def paced_beats(self, interval_s: float, seconds: float) -> float:
+        """Every node beats every `interval_s`, spread evenly (as a fleet's
+        beats arrive) for `seconds`: the cost of a beat in steady state."""
+        beats = 0
+        cpu0, t0 = self.master.cpu(), time.monotonic()
+        while (now := time.monotonic() - t0) < seconds:
+            due = int(now / interval_s * self.n)
+            while beats < due:
+                self.beat(beats % self.n, beats // self.n)
+                beats += 1
+            await asyncio.sleep(0.005)
+        await self.settled()
+        return (self.master.cpu() - cpu0) / max(1, beats) * 1000
 
     async def lease_ack(self, pairs: int) -> float:
         spec = shards_pb2.DatasetSpec(name="d", size=10**8, batch_size=32, shard_size=64, epochs=1)
@@ -264,6 +286,7 @@ async def measure(master: Master, args: argparse.Namespace) -> dict[str, float]:
             ("join", fleet.join),
             ("heartbeat", lambda: fleet.heartbeat(args.calls)),
             ("session beat", lambda: fleet.session_beats(args.calls)),
+            ("paced beat", lambda: fleet.paced_beats(args.interval, args.paced)),
             ("lease+ack", lambda: fleet.lease_ack(args.calls)),
         ]
         for name, phase in phases:
@@ -282,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "--channels", type=int, default=0, help="connections (0: one per node, like agents)"
     )
     parser.add_argument("--idle", type=float, default=20.0, help="s of the idle window (20)")
+    parser.add_argument("--interval", type=float, default=5.0, help="s between paced beats (5)")
+    parser.add_argument("--paced", type=float, default=10.0, help="s of paced beats (10)")
     parser.add_argument("--repeat", type=int, default=1, help="runs, a fresh master each (1)")
     parser.add_argument("--profile", help="a folder: the master under cProfile, a file a phase")
     args = parser.parse_args(argv)
