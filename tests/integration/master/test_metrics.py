@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from harness import Running
+from harness import TOKEN, Running
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,6 +95,32 @@ def test_refused_rpcs_are_counted_by_their_status_code(
         assert time.monotonic() < deadline, "the refused RPC was never counted"
         time.sleep(0.01)
     assert value(scrape(running), "dlfleet_rpc_requests_total", **labels) == 1
+
+
+def test_refused_and_accepted_calls_of_one_method_interleaved_each_get_their_answer(
+    start_master: Callable[..., Running],
+) -> None:
+    """The interceptors wrap each handler once and reuse it: a denial cached
+    for a method must not answer the next caller with the token, nor the
+    reverse, and each is counted under its own code."""
+    running = start_master()
+    retry = RetryPolicy(attempts=1)
+    with (
+        MasterClient(running.address, token="wrong", retry=retry, timeout_s=5) as intruder,
+        MasterClient(running.address, token=TOKEN, retry=retry, timeout_s=5) as member,
+    ):
+        for _ in range(3):
+            with pytest.raises(Unauthenticated):
+                intruder.master_status()
+            assert member.master_status().round == 0
+    labels = {"method": "GetStatus"}
+    deadline = time.monotonic() + 5
+    while (
+        value(scrape(running), "dlfleet_rpc_requests_total", code="UNAUTHENTICATED", **labels) < 3
+    ):
+        assert time.monotonic() < deadline, "the refused RPCs were never counted"
+        time.sleep(0.01)
+    assert value(scrape(running), "dlfleet_rpc_requests_total", code="OK", **labels) == 3
 
 
 def test_nodes_are_counted_by_state_and_their_loss_by_reason(

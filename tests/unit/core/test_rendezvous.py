@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 
 import hypothesis.strategies as st
 import pytest
@@ -273,6 +274,21 @@ def test_journal_entries_written_before_keeper_addresses_still_replay() -> None:
         r.apply(RendezvousEvent.from_json(text))
     assert r.state.active is not None
     assert r.state.active.members[0].keeper_address == ""
+
+
+def test_an_event_is_journaled_as_its_type_and_fields_as_asdict_gives_them() -> None:
+    r = rdzv(min_nodes=2, max_nodes=2)
+    events = join(r, "a", 0) + join(r, "b", 1)
+    events += r.remove("b", "died", 2)
+    events += r.remove("a", "left \u00e9", 3)
+    assert {type(e).__name__ for e in events} >= {
+        "NodeJoined", "RoundFormed", "RoundClosed", "NodeDropped"
+    }  # fmt: skip
+
+    for event in events:
+        data = dataclasses.asdict(event)
+        expected = json.dumps({"t": type(event).__name__, **data}, separators=(",", ":"))
+        assert event.to_json() == expected
 
 
 class RendezvousMachine(RuleBasedStateMachine):

@@ -8,6 +8,7 @@ from it, and the gRPC server over that state, until SIGINT or SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 
 from dlfleet.master.service.http_api import HttpSettings
@@ -15,6 +16,25 @@ from dlfleet.master.service.rpc import system_clock
 from dlfleet.master.service.server import MasterServer
 from dlfleet.master.service.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
+
+# The cyclic collector's youngest generation, in allocations (Python's default
+# is 700). A master of thousands of nodes allocates a few hundred objects per
+# RPC and holds hundreds of thousands (a session, its calls and buffers per
+# node): with the default, full collections over that heap were half of the
+# master's CPU while 2,000 nodes joined, and a sixth of a lease+ack's. A young
+# generation of 20,000 costs a pause of a few ms per collection.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """What exists once the master is up (modules, descriptors, the state
+    recovered from the store) is never collected again: moved out of the
+    generations the collector scans; and younger generations collected less
+    often. Reference counting still frees everything as before."""
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
 async def serve(
@@ -43,6 +63,7 @@ async def serve(
         assert server.membership is not None
         for record in list(state.nodes.nodes.values()):
             await server.membership.node_lost(record.node_id, "its master was restarted")
+    tune_gc()
     print(f"dlmaster: listening on {host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

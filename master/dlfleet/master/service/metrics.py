@@ -425,10 +425,15 @@ def _code_name(context: Any, raised: bool) -> str:
 class RpcMetrics(grpc.aio.ServerInterceptor):
     """Counts every RPC by method and status code and times the unary ones
     (a stream lives as long as its client; only its end is counted). First in
-    the chain, so that refused tokens and malformed requests count too."""
+    the chain, so that refused tokens and malformed requests count too. Each
+    handler the chain gives (a method's, or a denial) is wrapped once, not per
+    call."""
 
     def __init__(self, metrics: MasterMetrics) -> None:
         self._metrics = metrics
+        # (method, id of the handler) -> (that handler, it counted); the
+        # handler is kept, so its id is not reused while the entry lives.
+        self._counted: dict[tuple[str, int], tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     async def intercept_service(
         self,
@@ -438,7 +443,17 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rpartition("/")[2]
+        key = (handler_call_details.method, id(handler))
+        known = self._counted.get(key)
+        if known is not None and known[0] is handler:
+            return known[1]
+        counted = self._counting(key[0].rpartition("/")[2], handler)
+        self._counted[key] = (handler, counted)
+        return counted
+
+    def _counting(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         metrics = self._metrics
         unary: Any = handler.unary_unary
         streams: Any = handler.stream_stream

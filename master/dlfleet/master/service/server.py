@@ -301,16 +301,16 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[
         except DecodeError as error:
             return _Malformed(f"malformed request: {error}")
 
-    async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded_details(request.why))
-        return request
+    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded_details(request.why))
 
     async def each_checked(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         async for request in requests:
-            yield await checked(request, context)
+            if type(request) is _Malformed:
+                await refuse(request, context)
+            yield request
 
     serialize = handler.response_serializer
     unary: Any = handler.unary_unary
@@ -318,7 +318,9 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[
     if inspect.iscoroutinefunction(unary):
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            return await unary(await checked(request, context), _Context(context))
+            if type(request) is _Malformed:
+                await refuse(request, context)
+            return await unary(request, _Context(context))
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
     if inspect.isasyncgenfunction(streams):
@@ -336,7 +338,12 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[
 
 
 class RequestGuard(grpc.aio.ServerInterceptor):
-    """Every method but the health check's is `_guarded`."""
+    """Every method but the health check's is `_guarded`: wrapped once per
+    method, not per call (the services' handlers are built once)."""
+
+    def __init__(self) -> None:
+        # method -> (the handler as registered, it guarded)
+        self._guarded: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     async def intercept_service(
         self,
@@ -344,13 +351,32 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_HEALTH):
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        known = self._guarded.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        if method.startswith(_HEALTH):
             return handler
-        return _guarded(handler)
+        guarded = _guarded(handler)
+        self._guarded[method] = (handler, guarded)
+        return guarded
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+
+
+# A denial of the method's own kind, by (request streaming, response
+# streaming): a unary one would wait for a request that a streaming client may
+# never send (a hang, not a status).
+_DENIALS: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler(_deny),
+    (False, True): grpc.unary_stream_rpc_method_handler(_deny),
+    (True, False): grpc.stream_unary_rpc_method_handler(_deny),
+    (True, True): grpc.stream_stream_rpc_method_handler(_deny),
+}
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -371,15 +397,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             handler_call_details
         ):
             return handler
-        # A denial of the method's own kind: a unary one would wait for a
-        # request that a streaming client may never send (a hang, not a status).
-        if handler is not None and handler.request_streaming:
-            if handler.response_streaming:
-                return grpc.stream_stream_rpc_method_handler(_deny)
-            return grpc.stream_unary_rpc_method_handler(_deny)
-        if handler is not None and handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_deny)
-        return grpc.unary_unary_rpc_method_handler(_deny)
+        if handler is None:
+            return _DENIALS[False, False]
+        return _DENIALS[bool(handler.request_streaming), bool(handler.response_streaming)]
 
     def _authenticated(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
         for key, value in handler_call_details.invocation_metadata or ():
