@@ -55,9 +55,7 @@ class SyncRank:
         if self.ended or (self.after_epoch and not self.ledger.all_complete()):
             return
         done = self.ledger.take_ready()
-        outcome, _ = self.book.lease(
-            NAME, RoundConsumer(ROUND, self.position), self.now, "", done
-        )
+        outcome, _ = self.book.lease(NAME, RoundConsumer(ROUND, self.position), self.now, "", done)
         self.ledger.confirm(done)
         if outcome.answer is Answer.WAIT:
             return
