@@ -126,8 +126,10 @@ def test_a_crash_after_a_checkpointed_step_loses_nothing(make_job: Any) -> None:
 
 def test_a_node_killed_shrinks_the_world_then_a_new_node_grows_it_back(make_job: Any) -> None:
     # The survivor restarts cold (a process, torch, gloo): seconds on a loaded
-    # machine, so the replacement comes late enough for it to train alone first.
-    job = make_job(["--sleep-per-step", "0.1"], relaunch_delay_s=12.0, max_node_relaunches=1)
+    # machine, so the replacement comes late enough for it to train alone first
+    # (8 s, then its own warm start), and the steps are slow enough (82 left
+    # at 0.2 s) that the survivor is not done alone before the replacement is in.
+    job = make_job(["--sleep-per-step", "0.2"], relaunch_delay_s=8.0, max_node_relaunches=1)
     job.start()
     # The agent's pid first: `dlmaster status` is a process start, seconds on a
     # loaded machine, and the job could finish meanwhile.
