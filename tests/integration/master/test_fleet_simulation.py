@@ -56,8 +56,16 @@ def test_a_thousand_simulated_nodes_form_lose_one_percent_and_form_again(
         round_ = fleet.form(sim, server, level)  # validates: one round, N nodes, ranks 0..N-1
         with MasterClient(target, token=sim.token) as client:
             status = client.master_status()
-        assert status.round == round_ and status.round_nodes == NODES
-        reporting = {n.node_id for n in status.nodes if n.metrics.samples_per_second > 0}
+            assert status.round == round_ and status.round_nodes == NODES
+            # A node's metrics come with its next heartbeat after it trains:
+            # within a few intervals of the round, every node's are in.
+            deadline = time.monotonic() + 10 * args.interval
+            while True:
+                reporting = {n.node_id for n in status.nodes if n.metrics.samples_per_second > 0}
+                if len(reporting) == NODES or time.monotonic() > deadline:
+                    break
+                time.sleep(args.interval / 2)
+                status = client.master_status()
         assert len(reporting) == NODES
 
         lost = layout[-1][1]
