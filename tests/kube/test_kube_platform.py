@@ -55,7 +55,7 @@ def test_a_job_runs_as_pods_and_its_pods_go_at_the_end(
 ) -> None:
     http_port = free_port()
     job = make_job(
-        ["--sleep-per-step", "0.02"],
+        ["--sleep-per-step", "0.1"],  # long enough to be seen training
         http={"host": "0.0.0.0", "port": http_port},
         node_check={"enabled": True},
     ).start()
