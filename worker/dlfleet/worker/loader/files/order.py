@@ -41,7 +41,7 @@ Invariants (tests/unit/loader/test_stream_order.py):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +95,13 @@ class BlockOrder:
         """Record indices of the positions of each run [start, end), in order
         (the interface of indexing.PositionIndexer)."""
         out: list[int] = []
+        for number, offset, take in self._pieces(runs):
+            out.extend(self._span_of(number)[0][offset : offset + take].tolist())
+        return out
+
+    def _pieces(self, runs: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+        """(span number, offset in it, positions) of each run [start, end),
+        cut at span boundaries, in order."""
         span = self._span
         for start, end in runs:
             if start >= end:
@@ -105,9 +112,8 @@ class BlockOrder:
             while at < end:
                 number, offset = divmod(at, span)
                 take = min(end - at, span - offset)
-                out.extend(self._span_of(number)[0][offset : offset + take].tolist())
+                yield number, offset, take
                 at += take
-        return out
 
     def in_read_order(self, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.int64]:
         """The records of the positions of each run [start, end), sorted by
@@ -115,20 +121,10 @@ class BlockOrder:
         even shuffle windows and back to front within odd ones."""
         keys: list[npt.NDArray[np.int64]] = []
         records: list[npt.NDArray[np.int64]] = []
-        span = self._span
-        for start, end in runs:
-            if start >= end:
-                continue
-            if start < 0 or end > self.size:
-                raise IndexError(f"positions [{start}, {end}) outside [0, {self.size})")
-            at = start
-            while at < end:
-                number, offset = divmod(at, span)
-                take = min(end - at, span - offset)
-                span_records, span_keys = self._span_of(number)
-                keys.append(span_keys[offset : offset + take])
-                records.append(span_records[offset : offset + take])
-                at += take
+        for number, offset, take in self._pieces(runs):
+            span_records, span_keys = self._span_of(number)
+            keys.append(span_keys[offset : offset + take])
+            records.append(span_records[offset : offset + take])
         if not keys:
             return np.empty(0, dtype=np.int64)
         if len(keys) == 1:
