@@ -5,8 +5,9 @@ Each simulated node is built from the real client (dlfleet.api.client): its
 own `MasterClient` with a TCP connection of its own, `Nodes.Register`, a real
 `AgentSession` (the agent's session stream: heartbeats at the interval the
 master gave at registration, carrying `NodeMetrics` like an agent's sampler
-does; re-rendezvous pushes coming down), and `Rendezvous.Join` -- again after
-every push, as the agent does. What it does not do is train: no worker
+does; re-rendezvous pushes coming down), and the join on that session
+(`AgentSession.join_async`, the agent's `join`) -- again after every push, as
+the agent does. What it does not do is train: no worker
 processes, no leases. All nodes of a process share one asyncio loop (the
 client's), which is what lets a few processes carry thousands of nodes.
 
@@ -33,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.v1 import rendezvous_pb2
 
 JOB_NAME = "job"
@@ -101,15 +102,10 @@ class SimNode:
         )
 
     async def join(self) -> None:
+        assert self.session is not None
+        request = join_request(self.node_id, self.incarnation, 1, "127.0.0.1", 29500)
         try:
-            result = await self.client.join_rendezvous_async(
-                node_id=self.node_id,
-                incarnation=self.incarnation,
-                local_world_size=1,
-                host="127.0.0.1",
-                bootstrap_port=29500,
-                timeout_s=600.0,
-            )
+            result = await self.session.join_async(request, timeout_s=600.0)
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
             self.error = f"{type(exc).__name__}: {exc}"
             return

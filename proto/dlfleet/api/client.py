@@ -14,6 +14,7 @@ The client is thread-safe (one channel, many threads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dlfleet.api.errors import InvalidArgument, Unavailable
+from dlfleet.api.errors import InvalidArgument, StaleError, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
 from dlfleet.api.v1 import (
     checkpoint_pb2,
@@ -699,6 +700,17 @@ class LeaseSession:
         self.close()
 
 
+@dataclass
+class _PendingJoin:
+    """A join sent on the session, waiting for its answer."""
+
+    join_id: int
+    request: rendezvous_pb2.JoinRequest
+    answer: asyncio.Future[rendezvous_pb2.JoinResponse]
+    # The stream it went out on (it goes out once per stream).
+    sent_on: object = None
+
+
 class AgentSession:
     """A node's session with the master, on the shared I/O loop.
 
@@ -733,13 +745,27 @@ class AgentSession:
         self.last_beat_s = 0.0
         self._silent = False
         self._beats: asyncio.Future[None] | None = None
+        # The open stream, one write at a time on it (beats and joins), and
+        # the join waiting for its answer.
+        self._call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any] | None = None
+        self._writing = asyncio.Lock()
+        self._join: _PendingJoin | None = None
+        self._joins = 0
+        # The newest round a join on this session was answered with.
+        self._answered_round = 0
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
 
     async def _run(self) -> None:
+        try:
+            await self._stream()
+        finally:
+            self._fail_join(Unavailable(f"the session of {self.node_id} ended"))
+
+    async def _stream(self) -> None:
         attempt = 0
         while True:
-            call = self._io.rendezvous.Session(metadata=self._client._metadata)
+            call = self._call = self._io.rendezvous.Session(metadata=self._client._metadata)
             beats = self._beats = asyncio.ensure_future(self._beat(call))
             try:
                 async for event in call:
@@ -747,6 +773,8 @@ class AgentSession:
                     self.broken.clear()
                     if event.HasField("node_check_pair"):
                         self.check_pairs.put(event.node_check_pair)
+                    elif event.HasField("joined"):
+                        self._answered(event.joined)
                     else:
                         self.events.put(event)
                 # Ended without an error: the master stopped reading because a
@@ -761,30 +789,121 @@ class AgentSession:
                 else:
                     self.closed_by_master.set()
                     _log.error("the master closed the session of %s: %s", self.node_id, error)
+                    self._fail_join(error_from_status(error.code(), error.details() or ""))
                     return
             finally:
                 beats.cancel()
                 call.cancel()
+                self._call = None
             await asyncio.sleep(self._client.retry.backoff(attempt))
             attempt += 1
+
+    def _message(self) -> rendezvous_pb2.SessionMessage:
+        message = rendezvous_pb2.SessionMessage(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            round=self.round,
+            restarts_in_place=self.restarts_in_place,
+        )
+        if self.metrics is not None:
+            message.metrics.CopyFrom(self.metrics)
+        return message
+
+    async def _write(
+        self,
+        call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any],
+        message: rendezvous_pb2.SessionMessage,
+    ) -> None:
+        async with self._writing:
+            await call.write(message)
+        self.last_beat_s = time.monotonic()
 
     async def _beat(
         self, call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any]
     ) -> None:
+        if self._join is not None:
+            # A join sent on a stream that broke goes again on this one
+            # (joining again is idempotent).
+            await self._send_join(call, self._join)
         while True:
-            message = rendezvous_pb2.SessionMessage(
-                node_id=self.node_id,
-                incarnation=self.incarnation,
-                round=self.round,
-                restarts_in_place=self.restarts_in_place,
-            )
-            if self.metrics is not None:
-                message.metrics.CopyFrom(self.metrics)
+            message = self._message()
             if self._silent:
                 return
-            await call.write(message)
-            self.last_beat_s = time.monotonic()
+            await self._write(call, message)
             await asyncio.sleep(self.interval)
+
+    async def join_async(
+        self, request: rendezvous_pb2.JoinRequest, timeout_s: float = 900.0
+    ) -> rendezvous_pb2.JoinResponse:
+        """Join the rendezvous on this session (call it on `io_loop`): what
+        `MasterClient.join_rendezvous` returns, at a fraction of the master's
+        cost. A join in flight when the stream breaks is sent again on the
+        next one, so it rides out a master restart; it fails when the master
+        refuses the session, when the session is closed, or after `timeout_s`."""
+        if self.closed_by_master.is_set():
+            raise StaleError(f"the master closed the session of {self.node_id}")
+        if self._task.done():
+            raise Unavailable(f"the session of {self.node_id} is closed")
+        self._fail_join(StaleError("a newer join on the same session replaced it"))
+        self._joins += 1
+        pending = self._join = _PendingJoin(
+            self._joins, request, asyncio.get_running_loop().create_future()
+        )
+        if self._call is not None:
+            await self._send_join(self._call, pending)
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.answer), timeout_s)
+        except TimeoutError:
+            raise error_from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"join of {self.node_id} on its session: no round within {timeout_s:g}s",
+            ) from None
+        finally:
+            if self._join is pending:
+                self._join = None
+
+    def join(
+        self, request: rendezvous_pb2.JoinRequest, timeout_s: float = 900.0
+    ) -> rendezvous_pb2.JoinResponse:
+        """`join_async` from another thread (the agent's)."""
+        future = asyncio.run_coroutine_threadsafe(
+            self.join_async(request, timeout_s), self._io.loop
+        )
+        return future.result()
+
+    async def _send_join(
+        self,
+        call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any],
+        pending: _PendingJoin,
+    ) -> None:
+        """`pending` on `call`, once per stream."""
+        if pending.sent_on is call or pending.answer.done():
+            return
+        pending.sent_on = call
+        message = self._message()
+        message.join.CopyFrom(pending.request)
+        message.join.answered_round = self._answered_round
+        message.join_id = pending.join_id
+        # A write that fails means the stream broke: the next one sends it.
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            await self._write(call, message)
+
+    def _answered(self, joined: rendezvous_pb2.SessionJoined) -> None:
+        pending = self._join
+        if pending is None or pending.join_id != joined.join_id or pending.answer.done():
+            return  # an answer to a join given up on
+        if joined.HasField("error"):
+            pending.answer.set_exception(error_from_code(joined.error.code, joined.error.message))
+        else:
+            self._answered_round = max(self._answered_round, joined.answer.round)
+            pending.answer.set_result(joined.answer)
+
+    def _fail_join(self, error: Exception) -> None:
+        pending = self._join
+        if pending is not None and not pending.answer.done():
+            pending.answer.set_exception(error)
+            # Retrieved by its waiter, if it still waits; else it is no news.
+            pending.answer.exception()
 
     def silence(self) -> None:
         """Stop heartbeating but keep the stream open: what the master sees of

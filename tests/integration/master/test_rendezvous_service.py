@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from harness import TOKEN, Running
 
-from dlfleet.api.client import AgentSession, MasterClient
-from dlfleet.api.errors import StaleError
+from dlfleet.api.client import AgentSession, MasterClient, join_request
+from dlfleet.api.errors import InvalidArgument, StaleError, Unavailable
 from dlfleet.api.v1 import rendezvous_pb2, shards_pb2
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
@@ -43,6 +43,13 @@ class Agent:
         self.node_id, self.incarnation, self.lws = reg.node_id, reg.incarnation, lws
         self.session: AgentSession = self.client.agent_session(self.node_id, self.incarnation, 0.1)
 
+    def join_on_session(
+        self, port: int = 29500, timeout_s: float = 20
+    ) -> rendezvous_pb2.JoinResponse:
+        """The agent's way: the join goes up the session stream."""
+        request = join_request(self.node_id, self.incarnation, self.lws, self.host, port)
+        return self.session.join(request, timeout_s=timeout_s)
+
     def join(self, port: int = 29500) -> rendezvous_pb2.JoinResponse:
         return self.client.join_rendezvous(
             node_id=self.node_id,
@@ -61,9 +68,13 @@ class Agent:
         self.client.close()
 
 
-def join_all(agents: list[Agent]) -> list[rendezvous_pb2.JoinResponse]:
+def join_all(agents: list[Agent], on_session: bool = False) -> list[rendezvous_pb2.JoinResponse]:
+    def join(agent: Agent) -> rendezvous_pb2.JoinResponse:
+        port = 29500 + agents.index(agent)
+        return agent.join_on_session(port) if on_session else agent.join(port)
+
     with ThreadPoolExecutor(len(agents)) as pool:
-        return list(pool.map(lambda a: a.join(29500 + agents.index(a)), agents))
+        return list(pool.map(join, agents))
 
 
 @pytest.fixture
@@ -79,12 +90,13 @@ def agents() -> Any:
         agent.close()
 
 
+@pytest.mark.parametrize("on_session", [False, True], ids=["join-call", "on-session"])
 def test_joins_block_until_the_round_forms_and_agree_on_it(
-    start_master: Callable[..., Running], agents: Callable[..., Agent]
+    start_master: Callable[..., Running], agents: Callable[..., Agent], on_session: bool
 ) -> None:
     master = start_master(settings(min_nodes=3, max_nodes=3))
     nodes = [agents(master.address, f"n{i}", lws=i + 1) for i in range(3)]
-    results = join_all(nodes)
+    results = join_all(nodes, on_session)
     assert {r.round for r in results} == {1}
     assert sorted(r.group_rank for r in results) == [0, 1, 2]
     # Ranks follow the join order, which concurrent joins do not fix: each
@@ -273,3 +285,86 @@ def test_network_failures_naming_one_node_in_two_rounds_make_it_a_suspect(
     suspect = master.client.master_status().network_suspects[0]
     assert list(suspect.rounds) == [1, 2]
     assert "named it in rounds 1, 2" in suspect.reason
+
+
+def test_a_join_on_the_session_fails_as_the_call_would(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """Errors come down the session with their codes; the session lives on."""
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    with pytest.raises(InvalidArgument, match="local_world_size must be in 1..1024"):
+        a.session.join(join_request(a.node_id, a.incarnation, 0, "127.0.0.1", 1), timeout_s=5)
+    with pytest.raises(InvalidArgument, match=f"names {b.node_id}"):
+        a.session.join(join_request(b.node_id, b.incarnation, 1, "127.0.0.1", 1), timeout_s=5)
+    results = join_all([a, b], on_session=True)
+    assert sorted(r.group_rank for r in results) == [0, 1]
+
+
+def test_a_silent_node_waiting_on_its_session_is_told_it_was_dropped(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a = agents(master.address, "a")
+    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
+
+    def join() -> None:
+        try:
+            outcome.put(a.join_on_session(timeout_s=20))
+        except StaleError as error:
+            outcome.put(error)
+
+    threading.Thread(target=join, daemon=True).start()
+    time.sleep(0.3)
+    a.session._io.loop.call_soon_threadsafe(a.session.silence)  # a partition
+    error = outcome.get(timeout=10)
+    assert isinstance(error, StaleError) and "missed its heartbeats" in str(error)
+
+
+def test_a_join_on_the_session_rides_out_a_master_restart(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """The join is sent again on the reopened stream; the new master, on the
+    same store, forms the round with it."""
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
+
+    def join() -> None:
+        try:
+            outcome.put(a.join_on_session(timeout_s=30))
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            outcome.put(error)
+
+    threading.Thread(target=join, daemon=True).start()
+    deadline = time.monotonic() + 5
+    while master.client.rendezvous_state().num_nodes_waiting < 1:
+        assert time.monotonic() < deadline, "a's join never reached the master"
+        time.sleep(0.05)
+    port = master.server.port
+    start_master.stop(master)  # type: ignore[attr-defined]
+    again = start_master(settings(min_nodes=2, max_nodes=2), port=port)
+    mine = b.join_on_session()
+    theirs = outcome.get(timeout=20)
+    assert isinstance(theirs, rendezvous_pb2.JoinResponse), theirs
+    assert theirs.round == mine.round and theirs.group_world_size == 2
+    assert again.client.rendezvous_state().round == mine.round
+
+
+def test_a_closed_session_fails_its_join(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a = agents(master.address, "a")
+    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
+
+    def join() -> None:
+        try:
+            outcome.put(a.join_on_session(timeout_s=20))
+        except Unavailable as error:
+            outcome.put(error)
+
+    threading.Thread(target=join, daemon=True).start()
+    time.sleep(0.3)
+    a.session.close()
+    assert isinstance(outcome.get(timeout=5), Unavailable)

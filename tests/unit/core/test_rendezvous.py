@@ -94,6 +94,30 @@ def test_a_late_node_waits_and_closes_a_round_that_can_grow() -> None:
     assert [m.node_id for m in second.members] == ["a", "b"]
 
 
+def test_a_join_that_lost_its_answer_gets_the_round_again_and_changes_nothing() -> None:
+    """A session's join says which round it was last answered with: a member
+    of a newer round lost that round's answer; a member of the round it knows
+    is joining again, which closes that round."""
+    r = rdzv(min_nodes=2, max_nodes=2)
+    join(r, "a", 0)
+    first = formed(join(r, "b", 0))
+    assert first is not None and first.round == 1
+    # a's answer to round 1 was lost: asking again changes nothing.
+    assert r.join("a", 1, "host-a", 1001, 10, answered_round=0) == []
+    active = r.state.active
+    assert active is not None and active.round == 1
+    # a was answered round 1 and joins again: its round is over.
+    events = r.join("a", 1, "host-a", 1001, 20, answered_round=1)
+    closed = [e for e in events if isinstance(e, RoundClosed)]
+    assert closed and closed[0].round == 1 and "a re-joined" in closed[0].reason
+    # A join call (no answered round) by a member closes its round too.
+    formed(join(r, "b", 30))
+    again = r.state.active
+    assert again is not None and again.round == 2
+    closed = [e for e in join(r, "b", 40) if isinstance(e, RoundClosed)]
+    assert closed and closed[0].round == 2
+
+
 def test_a_late_node_is_a_spare_when_the_round_is_full() -> None:
     r = rdzv(min_nodes=2, max_nodes=2)
     join(r, "a", 0)

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.agent.loop import free_port
 
@@ -78,12 +78,8 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             assert self._session is not None
             while not self._session.events.empty():
                 self._session.events.get_nowait()
-            joined = self._client.join_rendezvous(
-                node_id=self._node_id,
-                incarnation=self._incarnation,
-                local_world_size=1,
-                host=self._host,
-                bootstrap_port=free_port(self._host),
+            joined = self._session.join(
+                join_request(self._node_id, self._incarnation, 1, self._host, free_port(self._host))
             )
         except Unavailable as error:
             raise RendezvousConnectionError(str(error)) from error

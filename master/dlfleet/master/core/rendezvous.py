@@ -331,7 +331,14 @@ class Rendezvous:
         port: int,
         now_ms: int,
         keeper_address: str = "",
+        answered_round: int | None = None,
     ) -> list[RendezvousEvent]:
+        """`answered_round`: for a join that knows the newest round it was
+        answered with (a session's; a retried call cannot tell). If the node is
+        a member of a newer active round, that round's answer was lost on the
+        way (a master restart, a broken stream), and this join is asking for
+        it again: nothing changes. Otherwise a member joining again closes its
+        round."""
         if not node_id:
             raise InvalidArgument("join needs a node id")
         if not 1 <= local_world_size <= 1024:
@@ -347,6 +354,8 @@ class Rendezvous:
         events: list[RendezvousEvent] = []
         active = state.active
         if active is not None and active.member(node_id) is not None:
+            if answered_round is not None and active.round > answered_round:
+                return events
             # A member joining again means its round is over for it: close it.
             survivors = tuple(m.node_id for m in active.members)
             self._emit(events, RoundClosed(active.round, f"{node_id} re-joined", survivors))

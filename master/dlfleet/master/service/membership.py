@@ -54,7 +54,9 @@ class Membership:
         self._durable = durable
         # The waiting joiners, by node (a node may have more than one Join in flight).
         self._joiners: dict[str, list[asyncio.Future[None]]] = {}
-        self.sessions: dict[str, asyncio.Queue[rendezvous_pb2.SessionEvent]] = {}
+        # Each node's open session: what is put here goes down its stream
+        # (None ends it).
+        self.sessions: dict[str, asyncio.Queue[rendezvous_pb2.SessionEvent | None]] = {}
         self._timer_kick = asyncio.Event()
         # Set while the master shuts down: sessions ending then are not deaths.
         self.stopping = False

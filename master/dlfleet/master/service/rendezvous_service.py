@@ -8,7 +8,6 @@ Lives in the master service process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -16,12 +15,12 @@ from typing import Any
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
 from dlfleet.api.status import status_of
-from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
 from dlfleet.master.core.rendezvous import Round
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import failure_reason_label
 from dlfleet.master.service.node_reports import NodeReports
-from dlfleet.master.service.rpc import Clock, Durable, rpc
+from dlfleet.master.service.rpc import Clock, Durable, bounded_details, rpc
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind
 
@@ -48,8 +47,17 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     async def Join(
         self, request: rendezvous_pb2.JoinRequest, context: Any
     ) -> rendezvous_pb2.JoinResponse:
-        node_id = request.node_id
-        self.state.nodes.live(node_id, request.incarnation)
+        return await self._join(request.node_id, request.incarnation, request, None)
+
+    async def _join(
+        self,
+        node_id: str,
+        incarnation: int,
+        request: rendezvous_pb2.JoinRequest,
+        answered_round: int | None,
+    ) -> rendezvous_pb2.JoinResponse:
+        """Until `node_id` is a member of a formed round: its place in it."""
+        self.state.nodes.live(node_id, incarnation)
         rdzv = self.state.rendezvous
         events = rdzv.join(
             node_id,
@@ -58,6 +66,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             request.bootstrap_port,
             self.clock(),
             keeper_address=request.keeper_address,
+            answered_round=answered_round,
         )
         await self.membership.apply(events)
         while True:
@@ -72,7 +81,10 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     async def Session(
         self, request_iterator: AsyncIterator[rendezvous_pb2.SessionMessage], context: Any
     ) -> AsyncIterator[rendezvous_pb2.SessionEvent]:
-        """Opened by the agent before it joins; lives as long as the agent."""
+        """Opened by the agent before it joins; lives as long as the agent.
+        The agent joins on it too (`SessionMessage.join`): at thousands of
+        nodes a message on a stream that is open anyway costs the master a
+        fraction of a call of its own."""
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
@@ -81,45 +93,93 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             self.state.nodes.live(node_id, incarnation)
         except DlfleetError as error:
             await context.abort(status_of(error), str(error))
-        queue: asyncio.Queue[rendezvous_pb2.SessionEvent] = asyncio.Queue()
+        # None: the agent's side of the stream ended.
+        queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None] = asyncio.Queue()
         self.membership.sessions[node_id] = queue
-        reader = asyncio.create_task(self._read_heartbeats(request_iterator, node_id, incarnation))
-        getter: asyncio.Task[rendezvous_pb2.SessionEvent] | None = None
+        joins: set[asyncio.Task[None]] = set()
+        reader = asyncio.create_task(
+            self._read_session(request_iterator, first, node_id, incarnation, queue, joins)
+        )
         try:
-            while True:
-                getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield getter.result()
-                    continue
-                return
+            while (event := await queue.get()) is not None:
+                yield event
         finally:
-            # Also when the RPC itself is cancelled (the master stopping): a
-            # pending getter left behind is "destroyed but pending" at exit.
-            if getter is not None:
-                getter.cancel()
+            # Also when the RPC itself is cancelled (the master stopping).
             reader.cancel()
+            for join in list(joins):
+                join.cancel()
             if self.membership.sessions.get(node_id) is queue:
                 del self.membership.sessions[node_id]
             self.metrics.pop(node_id, None)
             self.reports.remove(node_id)
             await self._session_ended(node_id, incarnation)
 
-    async def _read_heartbeats(
+    async def _read_session(
         self,
         messages: AsyncIterator[rendezvous_pb2.SessionMessage],
+        first: rendezvous_pb2.SessionMessage,
         node_id: str,
         incarnation: int,
+        queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None],
+        joins: set[asyncio.Task[None]],
     ) -> None:
-        with contextlib.suppress(Exception):  # the stream broke: the session is over
+        """Every message is a heartbeat; one with `join` is a join too."""
+        try:
+            self._heard(first, node_id, incarnation, queue, joins)
             async for message in messages:
-                now = self.clock()
-                self.state.nodes.heartbeat(node_id, incarnation, now)
-                if message.HasField("metrics"):
-                    self.metrics[node_id] = (message.metrics, now)
-                    self.reports.update(node_id, message.metrics, now)
-                if message.restarts_in_place:
-                    self.state.restarts_in_place = True
+                self._heard(message, node_id, incarnation, queue, joins)
+        except Exception:  # noqa: BLE001 - the stream broke: the session is over
+            pass
+        finally:
+            queue.put_nowait(None)
+
+    def _heard(
+        self,
+        message: rendezvous_pb2.SessionMessage,
+        node_id: str,
+        incarnation: int,
+        queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None],
+        joins: set[asyncio.Task[None]],
+    ) -> None:
+        now = self.clock()
+        self.state.nodes.heartbeat(node_id, incarnation, now)
+        if message.HasField("metrics"):
+            self.metrics[node_id] = (message.metrics, now)
+            self.reports.update(node_id, message.metrics, now)
+        if message.restarts_in_place:
+            self.state.restarts_in_place = True
+        if message.HasField("join"):
+            join = asyncio.create_task(
+                self._session_join(node_id, incarnation, message.join_id, message.join, queue)
+            )
+            joins.add(join)
+            join.add_done_callback(joins.discard)
+
+    async def _session_join(
+        self,
+        node_id: str,
+        incarnation: int,
+        join_id: int,
+        request: rendezvous_pb2.JoinRequest,
+        queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None],
+    ) -> None:
+        """A join sent on the session, answered on it."""
+        try:
+            if request.node_id not in ("", node_id) or request.incarnation not in (0, incarnation):
+                raise InvalidArgument(
+                    f"a join on the session of {node_id} (incarnation {incarnation}) names "
+                    f"{request.node_id} (incarnation {request.incarnation})"
+                )
+            answer = await self._join(node_id, incarnation, request, request.answered_round)
+            joined = rendezvous_pb2.SessionJoined(join_id=join_id, answer=answer)
+        except DlfleetError as error:
+            joined = rendezvous_pb2.SessionJoined(
+                join_id=join_id,
+                error=shards_pb2.StreamError(
+                    code=status_of(error).value[0], message=bounded_details(str(error))
+                ),
+            )
+        queue.put_nowait(rendezvous_pb2.SessionEvent(joined=joined))
 
     async def _session_ended(self, node_id: str, incarnation: int) -> None:
         """A session that ends while its node is live means the agent died

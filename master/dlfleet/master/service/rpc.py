@@ -90,3 +90,18 @@ def rpc(
 
     wrapper.__name__ = handler.__name__
     return wrapper
+
+
+# Status details echo client input (names, ids, ranges). A trailer past the
+# client's metadata limit (8 KiB soft, 16 KiB hard by default) is refused by the
+# client, which then sees RESOURCE_EXHAUSTED instead of the real code; non-ASCII
+# bytes are percent-encoded (x3) on the wire.
+MAX_DETAILS_BYTES = 2_000
+
+
+def bounded_details(details: str) -> str:
+    raw = details.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return details
+    cut = raw[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{cut}... ({len(raw)} bytes in all)"

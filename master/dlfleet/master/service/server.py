@@ -50,7 +50,14 @@ from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.node_check_service import NodeCheckService
 from dlfleet.master.service.rendezvous_service import RendezvousService
-from dlfleet.master.service.rpc import Clock, Continuation, Durable, rpc, system_clock
+from dlfleet.master.service.rpc import (
+    Clock,
+    Continuation,
+    Durable,
+    bounded_details,
+    rpc,
+    system_clock,
+)
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.status_service import (
     MasterStatusService,
@@ -250,21 +257,6 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
         record = self.state.nodes.live(request.node_id, request.incarnation)
         await self.membership.node_lost(record.node_id, "deregistered")
         return nodes_pb2.DeregisterNodeResponse()
-
-
-# Status details echo client input (names, ids, ranges). A trailer past the
-# client's metadata limit (8 KiB soft, 16 KiB hard by default) is refused by the
-# client, which then sees RESOURCE_EXHAUSTED instead of the real code; non-ASCII
-# bytes are percent-encoded (x3) on the wire.
-MAX_DETAILS_BYTES = 2_000
-
-
-def bounded_details(details: str) -> str:
-    raw = details.encode()
-    if len(raw) <= MAX_DETAILS_BYTES:
-        return details
-    cut = raw[:MAX_DETAILS_BYTES].decode(errors="ignore")
-    return f"{cut}... ({len(raw)} bytes in all)"
 
 
 class _Malformed:

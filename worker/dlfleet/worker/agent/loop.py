@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy
+from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy, join_request
 from dlfleet.api.diagnosis import Action, FailureFacts, Verdict, diagnose
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
@@ -372,13 +372,17 @@ class Agent:
         assert self.session is not None
         _drain(self.session.events)  # pushes about rounds before this one
         try:
-            joined = self.client.join_rendezvous(
-                node_id=self.node_id,
-                incarnation=self.incarnation,
-                local_world_size=self.config.nproc_per_node,
-                host=self.host,
-                bootstrap_port=free_port(self.host),
-                keeper_address=self.server.peer_address if self.server else "",
+            # On the session, not a Join call of its own: at thousands of
+            # nodes the master forms a round with a message per node.
+            joined = self.session.join(
+                join_request(
+                    self.node_id,
+                    self.incarnation,
+                    self.config.nproc_per_node,
+                    self.host,
+                    free_port(self.host),
+                    keeper_address=self.server.peer_address if self.server else "",
+                )
             )
         except DlfleetError as error:
             return Failed(None, f"rendezvous failed: {error}")
