@@ -133,6 +133,48 @@ def test_futures_resolve_in_order_each_after_everything_before_it_is_durable(
     assert committer.batches < len(sizes)
 
 
+def test_detached_submissions_are_written_in_order_and_covered_by_the_next_future(
+    url: str, store: StateStore
+) -> None:
+    gated = GatedStore(store)
+    committer = GroupCommitter(gated, max_batch=3)
+    first = committer.submit([("s", "first")])
+    assert gated.entered.wait(10)
+    for index in range(5):  # queued behind the gate, over several batches
+        committer.submit_detached([("s", f"join {index}")])
+    after = committer.submit([("s", "formed")])
+    gated.release.set()
+    seq = after.result(timeout=10)
+    # Everything before it is durable once its future resolves.
+    reader = open_store(url)
+    assert _payloads(reader) == {"s": ["first", *(f"join {i}" for i in range(5)), "formed"]}
+    assert seq == first.result() + 6
+    reader.close()
+    committer.close()
+    with pytest.raises(StoreError, match="closed"):
+        committer.submit_detached([("s", "too late")])
+
+
+def test_a_failed_detached_submission_is_logged_and_fails_its_batch(
+    store: StateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What waits behind a detached entry learns that it failed."""
+    gated = GatedStore(store)
+    committer = GroupCommitter(gated)
+    first = committer.submit([("s", "first")])
+    assert gated.entered.wait(10)
+    committer.submit_detached([("x" * 256, "stream name too long")])
+    behind = committer.submit([("s", "same batch")])
+    gated.release.set()
+    assert first.result(timeout=10) > 0
+    with pytest.raises(StoreError, match="stream_length"):
+        behind.result(timeout=10)
+    assert committer.submit([("s", "later")]).result(timeout=10) > 0
+    committer.close()
+    assert "group commit of 2 entries failed" in caplog.text
+    assert _payloads(store) == {"s": ["first", "later"]}
+
+
 def test_failed_batch_fails_only_its_own_futures(store: StateStore) -> None:
     gated = GatedStore(store)
     committer = GroupCommitter(gated)

@@ -26,6 +26,7 @@ from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.master.core.events import Event
 from dlfleet.master.core.rendezvous import (
     NodeDropped,
+    NodeJoined,
     RendezvousEvent,
     RoundClosed,
     RoundFormed,
@@ -58,6 +59,8 @@ class Membership:
         # (None ends it).
         self.sessions: dict[str, asyncio.Queue[rendezvous_pb2.SessionEvent | None]] = {}
         self._timer_kick = asyncio.Event()
+        # The deadline the timer sleeps toward (None: until kicked).
+        self._sleeping_until: int | None = None
         # Set while the master shuts down: sessions ending then are not deaths.
         self.stopping = False
         # Told of every node lost, after the cores above (the node check's board).
@@ -66,6 +69,13 @@ class Membership:
     async def apply(self, events: list[RendezvousEvent]) -> None:
         """Persist rendezvous events and carry out what follows from them."""
         if not events:
+            return
+        if all(type(event) is NodeJoined for event in events):
+            # A join tells no one anything until its round forms, and the
+            # round's event is written after it (the committer keeps the
+            # order of submissions): the joiner need not wait for this write.
+            self.state.persist_joins(events)
+            self._kick_timer()
             return
         shard_events: list[Event] = []
         for event in events:
@@ -103,7 +113,17 @@ class Membership:
                     self._wake(member.node_id)
             elif isinstance(event, NodeDropped):
                 self._wake(event.node_id)
-        self._timer_kick.set()
+        self._kick_timer()
+
+    def _kick_timer(self) -> None:
+        """Wake the timer if the rendezvous's next deadline is now earlier than
+        the one it sleeps toward (a later one it finds when it wakes: with
+        thousands joining, most joins move no deadline or move it later)."""
+        deadline = self.state.rendezvous.next_deadline()
+        if deadline is not None and (
+            self._sleeping_until is None or deadline < self._sleeping_until
+        ):
+            self._timer_kick.set()
 
     async def news_for(self, node_id: str) -> None:
         """Until the waiting joiner `node_id` is concerned by an event: a round
@@ -149,7 +169,7 @@ class Membership:
     async def run_timer(self) -> None:
         """Form rounds exactly when their last call ends, without polling."""
         while True:
-            deadline = self.state.rendezvous.next_deadline()
+            deadline = self._sleeping_until = self.state.rendezvous.next_deadline()
             self._timer_kick.clear()
             timeout = None if deadline is None else max(0, deadline - self.clock()) / 1000
             try:

@@ -182,6 +182,10 @@ class MasterState:
             self._since_checkpoint[stream] += 1
         return self._committer.submit(entries)
 
+    def persist_joins(self, events: Sequence[RendezvousEvent]) -> None:
+        """Rendezvous events nobody waits for (joins: see `Membership.apply`)."""
+        self._committer.submit_detached([(RENDEZVOUS_STREAM, e.to_json()) for e in events])
+
     def persist_checkpoints(self, events: Sequence[CheckpointEvent]) -> Future[int]:
         """Like `persist`, for the checkpoint table's events (already applied):
         an empty list still waits for everything queued before it."""

@@ -22,6 +22,9 @@ Invariants:
 - The store must number one append's entries consecutively (SqlStateStore
   does): the seq of a submission inside a batch is derived from that.
 - A future cancelled before the writer takes it is dropped unwritten.
+- `submit_detached` queues entries with no future (nobody waits for them: a
+  later submission's future covers them, by the order above); a failed append
+  of them is logged.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ DEFAULT_MAX_BATCH = 4096
 @dataclass(frozen=True)
 class _Submission:
     entries: tuple[tuple[str, str], ...]
-    future: Future[int]
+    future: Future[int] | None
 
 
 class GroupCommitter:
@@ -99,6 +102,18 @@ class GroupCommitter:
             self._cond.notify()
         return submission.future
 
+    def submit_detached(self, entries: Sequence[tuple[str, str]]) -> None:
+        """`submit` without a future, for entries nobody waits for: what
+        follows them waits for them too. Spares the future (a lock and a
+        condition) per submission."""
+        submission = _Submission(tuple(entries), None)
+        with self._cond:
+            if self._closing:
+                raise StoreError("the group committer is closed")
+            self._pending.append(submission)
+            self._submissions += 1
+            self._cond.notify()
+
     def close(self) -> None:
         """Write everything submitted so far, then stop the writer. Idempotent."""
         with self._cond:
@@ -129,7 +144,7 @@ class GroupCommitter:
                 if batch and size + len(nxt.entries) > self._max_batch:
                     break
                 self._pending.popleft()
-                if nxt.future.set_running_or_notify_cancel():
+                if nxt.future is None or nxt.future.set_running_or_notify_cancel():
                     batch.append(nxt)
                     size += len(nxt.entries)
             if not batch and self._closing and not self._pending:
@@ -145,7 +160,8 @@ class GroupCommitter:
             self._batches += 1
             _log.warning("group commit of %d entries failed: %s", len(entries), exc)
             for submission in batch:
-                submission.future.set_exception(exc)
+                if submission.future is not None:
+                    submission.future.set_exception(exc)
             return
         self._batches += 1
         self._entries += len(entries)
@@ -155,4 +171,5 @@ class GroupCommitter:
         seq = last - len(entries)
         for submission in batch:
             seq += len(submission.entries)
-            submission.future.set_result(seq)
+            if submission.future is not None:
+                submission.future.set_result(seq)
