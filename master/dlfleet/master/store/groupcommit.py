@@ -93,20 +93,17 @@ class GroupCommitter:
     def submit(self, entries: Sequence[tuple[str, str]]) -> Future[int]:
         """Queue (stream, payload) pairs to be appended together; the future
         gives the seq of the last one once they are durable."""
-        submission = _Submission(tuple(entries), Future())
-        with self._cond:
-            if self._closing:
-                raise StoreError("the group committer is closed")
-            self._pending.append(submission)
-            self._submissions += 1
-            self._cond.notify()
-        return submission.future
+        future: Future[int] = Future()
+        self._queue(_Submission(tuple(entries), future))
+        return future
 
     def submit_detached(self, entries: Sequence[tuple[str, str]]) -> None:
         """`submit` without a future, for entries nobody waits for: what
         follows them waits for them too. Spares the future (a lock and a
         condition) per submission."""
-        submission = _Submission(tuple(entries), None)
+        self._queue(_Submission(tuple(entries), None))
+
+    def _queue(self, submission: _Submission) -> None:
         with self._cond:
             if self._closing:
                 raise StoreError("the group committer is closed")
