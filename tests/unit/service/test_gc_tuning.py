@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from dlfleet.master.service.app import GC_YOUNG_THRESHOLD, tune_gc
+from dlfleet.master.service.app import GC_MIDDLE_THRESHOLD, GC_YOUNG_THRESHOLD, tune_gc
 
 
 def test_the_master_freezes_what_it_started_with_and_collects_young_objects_less_often() -> None:
@@ -13,7 +13,7 @@ def test_the_master_freezes_what_it_started_with_and_collects_young_objects_less
     try:
         tune_gc()
         assert gc.get_freeze_count() > 0
-        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, before[2])
         cycle: list[object] = []
         cycle.append(cycle)
         del cycle
