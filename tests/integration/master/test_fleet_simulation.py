@@ -35,7 +35,7 @@ def test_a_thousand_simulated_nodes_form_lose_one_percent_and_form_again(
     from dlfleet.api.client import MasterClient
 
     args = argparse.Namespace(
-        procs=2, interval=1.0, timeout=3.0, cap=60.0, settle=0, window=0,
+        procs=2, probes=fleet.PROBES, interval=1.0, timeout=3.0, cap=60.0, settle=0, window=0,
         master_log_level="WARNING", profile=None,
     )  # fmt: skip
     level = fleet.Level("sqlite", NODES)
