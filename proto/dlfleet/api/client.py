@@ -14,6 +14,7 @@ The client is thread-safe (one channel, many threads).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -639,20 +640,28 @@ class LeaseSession:
     def request(self, request: shards_pb2.LeaseRequest) -> shards_pb2.LeaseResponse:
         io = self._client._io()
         response = self._client._with_retries(
-            "LeaseStream", lambda: io.run(self._exchange_within_deadline(io, request))
+            "LeaseStream", lambda: self._exchange_within_deadline(io, request)
         )
         if response.WhichOneof("outcome") == "error":
             raise error_from_code(response.error.code, response.error.message)
         return response
 
-    async def _exchange_within_deadline(
+    def _exchange_within_deadline(
         self, io: _IoLoop, request: shards_pb2.LeaseRequest
     ) -> shards_pb2.LeaseResponse:
         """Every message has the client's deadline, like a unary call: a stream
-        that does not answer in time is dropped and the request retried."""
+        that does not answer in time is dropped and the request retried.
+
+        The calling thread keeps the deadline while it waits, rather than an
+        `asyncio.wait_for` on the loop, which costs the loop that every session
+        of the process shares a task and a timer per message."""
+        exchange = asyncio.run_coroutine_threadsafe(self._exchange(io, request), io.loop)
         try:
-            return await asyncio.wait_for(self._exchange(io, request), self._client.timeout_s)
-        except asyncio.TimeoutError:
+            return exchange.result(self._client.timeout_s)
+        except concurrent.futures.TimeoutError:
+            if not exchange.cancel():  # answered just now
+                return exchange.result()
+            # Cancelled on the loop, the exchange drops its stream.
             raise _StreamTimeout(self._client.timeout_s) from None
 
     async def _exchange(
@@ -679,8 +688,10 @@ class LeaseSession:
             raise
         except asyncio.CancelledError:
             # A timed-out stream is never reused: its answers could be out of
-            # step with the requests.
-            self._call = None
+            # step with the requests. (The caller may have moved on already;
+            # a stream it opened since is not this one's to drop.)
+            if self._call is call:
+                self._call = None
             call.cancel()
             raise
         if not isinstance(response, shards_pb2.LeaseResponse):  # grpc.aio.EOF

@@ -28,7 +28,7 @@ from dlfleet.master.store.base import (
     StoreError,
     StreamState,
 )
-from dlfleet.master.store.sql import COMPACT_CHUNK_ROWS, open_store
+from dlfleet.master.store.sql import COMPACT_CHUNK_ROWS, INSERT_CHUNK_ROWS, open_store
 
 pytestmark = pytest.mark.integration
 
@@ -290,16 +290,30 @@ def test_empty_append_returns_the_last_seq_and_writes_nothing(backend: Backend) 
     assert backend.reopen(store).append([]) == last
 
 
-def test_thousand_entry_append_is_one_consecutive_run(backend: Backend) -> None:
+def test_append_of_several_insert_statements_is_one_consecutive_run(backend: Backend) -> None:
     store = backend.open()
-    entries = [(f"dataset/d{i % 7}", f'{{"i": {i}, "pad": "{"x" * 200}"}}') for i in range(1000)]
+    count = 2 * INSERT_CHUNK_ROWS + 500
+    entries = [(f"dataset/d{i % 7}", f'{{"i": {i}, "pad": "{"x" * 200}"}}') for i in range(count)]
     last = store.append(entries)
 
     loaded = backend.reopen(store).load()
 
     by_seq = {e.seq: (e.stream, e.payload) for s in loaded.values() for e in s.entries}
-    assert sorted(by_seq) == list(range(last - 999, last + 1))
+    assert sorted(by_seq) == list(range(last - count + 1, last + 1))
     assert [by_seq[seq] for seq in sorted(by_seq)] == entries
+
+
+def test_append_failing_in_its_last_insert_statement_writes_none_of_it(backend: Backend) -> None:
+    store = backend.open()
+    before = store.load()
+    entries = [("a", str(i)) for i in range(INSERT_CHUNK_ROWS + 10)]
+    entries.append(("", "empty stream name"))
+
+    with pytest.raises(StoreError, match=f"append of {len(entries)} entries failed"):
+        store.append(entries)
+
+    assert store.load() == before
+    assert backend.reopen(store).load() == before
 
 
 def test_closed_store_refuses_calls_and_close_is_idempotent(backend: Backend) -> None:

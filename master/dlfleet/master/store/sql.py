@@ -76,6 +76,9 @@ MAX_STREAM_LENGTH = 255
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 # Covered journal rows deleted per transaction at most (see the module docstring).
 COMPACT_CHUNK_ROWS = 250
+# Journal rows per INSERT statement: 3 values a row stays under SQLite's
+# 32,766 and PostgreSQL's 65,535 parameters.
+INSERT_CHUNK_ROWS = 1000
 POSTGRES_CONNECT_TIMEOUT_S = 10
 
 # Short enough that "<prefix>journal_stream_seq" fits PostgreSQL's 63-byte names.
@@ -111,7 +114,7 @@ class SqlStateStore(StateStore):
         # stream -> upto_seq of its checkpoint, while journal rows it covers remain.
         self._covered: dict[str, int] = {}
         self._engine = _create_engine(parsed, self._safe_url)
-        self._insert_sql = _positional_insert(self._engine, self._journal)
+        self._insert = _RowsInsert(self._engine, self._journal)
         try:
             with self._transaction("open") as conn:
                 self._journal.metadata.create_all(conn, checkfirst=True)
@@ -144,7 +147,7 @@ class SqlStateStore(StateStore):
                 rows = [
                     (seq, stream, payload) for seq, (stream, payload) in enumerate(entries, first)
                 ]
-                conn.exec_driver_sql(self._insert_sql, rows)
+                self._insert.execute(conn, rows)
                 cleared: set[str] = set()
                 if self._covered:
                     limit = max(COMPACT_CHUNK_ROWS, 2 * len(entries))
@@ -294,16 +297,31 @@ def _define_tables(metadata: MetaData, prefix: str) -> tuple[Table, Table]:
     return journal, checkpoints
 
 
-def _positional_insert(engine: Engine, table: Table) -> str:
-    """The driver-level INSERT for `table`, taking one tuple per row.
+class _RowsInsert:
+    """The driver-level INSERT for `table`: rows as flat positional values,
+    many rows to one statement.
 
-    The hot path sends it with `exec_driver_sql`: measured 15-40% faster than a
-    Core `insert()` executemany, which builds and processes a dict per row."""
-    mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
-    quote = engine.dialect.identifier_preparer
-    columns = ", ".join(quote.quote(column.name) for column in table.columns)
-    marks = ", ".join(mark for _ in table.columns)
-    return f"INSERT INTO {quote.format_table(table)} ({columns}) VALUES ({marks})"
+    The hot path sends it with `exec_driver_sql`, `INSERT_CHUNK_ROWS` rows to a
+    statement. Measured 15-40% faster than a Core `insert()` executemany, which
+    builds and processes a dict per row; and one statement rather than one per
+    row matters more inside the master: pysqlite lets go of the GIL around each
+    statement's step and takes it back after, and a writer thread that must win
+    the GIL back from a busy event loop once per row (an executemany of 38
+    rows) waited up to the 5 ms switch interval each time (38 rows took 36 ms
+    beside a busy thread, one statement 16 ms, alone both 0.2 ms)."""
+
+    def __init__(self, engine: Engine, table: Table) -> None:
+        mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
+        quote = engine.dialect.identifier_preparer
+        columns = ", ".join(quote.quote(column.name) for column in table.columns)
+        self._head = f"INSERT INTO {quote.format_table(table)} ({columns}) VALUES "
+        self._row = "(" + ", ".join(mark for _ in table.columns) + ")"
+
+    def execute(self, conn: Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+        for start in range(0, len(rows), INSERT_CHUNK_ROWS):
+            chunk = rows[start : start + INSERT_CHUNK_ROWS]
+            values = tuple(value for row in chunk for value in row)
+            conn.exec_driver_sql(self._head + ", ".join([self._row] * len(chunk)), values)
 
 
 def _parse_url(url: str) -> tuple[URL, str]:
