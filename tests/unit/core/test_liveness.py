@@ -3,7 +3,9 @@ stale; a node silent for longer than the timeout is reported dead once."""
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from dlfleet.api.errors import InvalidArgument, StaleError
 from dlfleet.master.core.liveness import MAX_NODE_NAME, LivenessSettings, NodeTable
@@ -166,3 +168,41 @@ def test_local_world_size_limits_are_accepted(local_world_size: int) -> None:
     assert table().register("n", local_world_size, "h", now_ms=0).local_world_size == (
         local_world_size
     )
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["register", "beat", "forget", "restore", "expire"]),
+            st.integers(0, 3),  # which node
+            st.integers(0, 700),  # time passing before it, ms
+        ),
+        max_size=60,
+    )
+)
+def test_expire_finds_exactly_the_nodes_a_scan_of_all_would(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    """Kept in heartbeat order, `expire` looks only at the silent nodes; with
+    time going forward it must find what checking every node finds."""
+    nodes = table()
+    now = 0
+    for op, which, passed in steps:
+        now += passed
+        name = f"n{which}"
+        record = nodes.nodes.get(name)
+        if op == "register":
+            nodes.register(name, 1, "h", now)
+        elif op == "beat" and record is not None:
+            nodes.heartbeat(record.node_id, record.incarnation, now)
+        elif op == "forget":
+            nodes.forget(name)
+        elif op == "restore":
+            nodes.restore(name, 7, 1, "h", now)
+        elif op == "expire":
+            silent = sorted(
+                r.node_id for r in nodes.nodes.values() if now - r.last_seen_ms > TIMEOUT
+            )
+            assert sorted(r.node_id for r in nodes.expire(now)) == silent
+            assert all(now - r.last_seen_ms <= TIMEOUT for r in nodes.nodes.values())
