@@ -16,6 +16,7 @@ Protocol (one line each; replies on stdout, everything else on stderr):
     <- GO <t0>                    every node joins at t0 (time.monotonic())
     -> JOINED <json>              when every node's join returned
     <- STATE                      -> STATE <json>: each node's last round, world, times
+    <- SUMMARY <round> <world>    -> SUMMARY <json>: its nodes in a later round of that world
     <- PROBES                     -> PROBES <json>: heartbeat RTTs (ms) since the last PROBES
     <- SILENCE <k>                the process's k-th node stops heartbeating
     -> SILENCED <t>               its last heartbeat went out at t
@@ -192,6 +193,23 @@ class Simulator:
         self.rtts.clear()
         return out
 
+    def summary(self, after_round: int, world: int) -> dict[str, Any]:
+        """What the orchestrator polls while a fleet re-forms, in a few bytes
+        (all nodes' states, polled 5 times a second, would take CPU from the
+        master being measured): this process's nodes in a round after
+        `after_round` of `world` nodes, and when they were pushed and joined."""
+        members = [n for n in self.nodes if n.round > after_round and n.world == world]
+        errors = [n.error for n in self.nodes if n.error]
+        return {
+            "members": len(members),
+            "rounds": sorted({n.round for n in members}),
+            "first_push": min((n.pushed_t for n in members), default=None),
+            "last_push": max((n.pushed_t for n in members), default=None),
+            "last_join": max((n.joined_t for n in members), default=None),
+            "errors": len(errors),
+            "error": errors[0] if errors else "",
+        }
+
     def silence(self, index: int) -> None:
         node = self.nodes[index]
         session = node.session
@@ -217,6 +235,8 @@ class Simulator:
                 asyncio.run_coroutine_threadsafe(self.join_all(float(words[1])), self.loop)
             elif words[0] == "STATE":
                 self.emit("STATE " + json.dumps([n.state() for n in self.nodes]))
+            elif words[0] == "SUMMARY":
+                self.emit("SUMMARY " + json.dumps(self.summary(int(words[1]), int(words[2]))))
             elif words[0] == "PROBES":
                 self.emit("PROBES " + json.dumps(self.on_loop(self.take_rtts())))
             elif words[0] == "SILENCE":

@@ -217,22 +217,25 @@ class Fleet:
         live = self.procs[:-1]
         deadline = time.monotonic() + cap_s
         while True:
-            states = self.states(live)
-            members = [s for s in states if s[0] > after_round and s[1] == world]
-            rounds = {s[0] for s in members}
-            errors = [s[5] for s in states if s[5]]
+            for proc in live:
+                proc.send(f"SUMMARY {after_round} {world}")
+            parts = [json.loads(proc.expect("SUMMARY", 60.0)) for proc in live]
+            members = sum(p["members"] for p in parts)
+            rounds = {r for p in parts for r in p["rounds"]}
+            errors = [p["error"] for p in parts if p["errors"]]
             if errors:
-                raise BenchError(f"{len(errors)} nodes failed to join, e.g. {errors[0]}")
-            if len(rounds) == 1 and len(members) == world:
-                pushed = min(s[3] for s in members)
-                say(
-                    f"    (round {members[0][0]}: pushes reached the survivors over "
-                    f"{max(s[3] for s in members) - pushed:.3f} s)"
-                )
-                return members[0][0], pushed, max(s[2] for s in members)
+                count = sum(p["errors"] for p in parts)
+                raise BenchError(f"{count} nodes failed to join, e.g. {errors[0]}")
+            if len(rounds) == 1 and members == world:
+                pushed = min(p["first_push"] for p in parts if p["members"])
+                last_push = max(p["last_push"] for p in parts if p["members"])
+                say(f"    (round {next(iter(rounds))}: pushes reached the survivors over "
+                    f"{last_push - pushed:.3f} s)")  # fmt: skip
+                last_join = max(p["last_join"] for p in parts if p["members"])
+                return rounds.pop(), pushed, last_join
             if time.monotonic() > deadline:
                 raise BenchError(
-                    f"no round of {world} within {cap_s:.0f} s: {len(members)} nodes "
+                    f"no round of {world} within {cap_s:.0f} s: {members} nodes "
                     f"in rounds {sorted(rounds)[:5]}"
                 )
             time.sleep(0.2)

@@ -303,6 +303,7 @@ def test_journal_entries_written_before_keeper_addresses_still_replay() -> None:
 def test_an_event_is_journaled_as_its_type_and_fields_as_asdict_gives_them() -> None:
     r = rdzv(min_nodes=2, max_nodes=2)
     events = join(r, "a", 0) + join(r, "b", 1)
+    events += r.join("k\u00e9", 3, 'h"ost', 7, 9, keeper_address="h:1")  # spare, escaped
     events += r.remove("b", "died", 2)
     events += r.remove("a", "left \u00e9", 3)
     assert {type(e).__name__ for e in events} >= {

@@ -201,6 +201,24 @@ class RendezvousEvent:
 class NodeJoined(RendezvousEvent):
     participant: Participant
 
+    def to_json(self) -> str:
+        # One per join, thousands when a fleet forms: its fields written out
+        # (what the generic walk gives, at about half the cost).
+        p = self.participant
+        return _ENCODE(
+            {
+                "t": "NodeJoined",
+                "participant": {
+                    "node_id": p.node_id,
+                    "local_world_size": p.local_world_size,
+                    "host": p.host,
+                    "port": p.port,
+                    "joined_ms": p.joined_ms,
+                    "keeper_address": p.keeper_address,
+                },
+            }
+        )
+
 
 @dataclass(frozen=True)
 class NodeDropped(RendezvousEvent):
