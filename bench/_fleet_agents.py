@@ -105,7 +105,9 @@ class SimNode:
 
     async def join(self) -> None:
         assert self.session is not None
-        request = join_request(self.node_id, self.incarnation, 1, "127.0.0.1", 29500)
+        request = join_request(
+            self.node_id, self.incarnation, 1, "127.0.0.1", 29500, next_bootstrap_port=29501
+        )
         try:
             result = await self.session.join_async(request, timeout_s=600.0)
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator

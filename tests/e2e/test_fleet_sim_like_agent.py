@@ -11,6 +11,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +71,10 @@ def test_the_simulators_nodes_call_only_what_a_real_agent_calls(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    agent = methods_called(agent_http, TOKEN)
+    deadline = time.monotonic() + 20
+    while (agent := methods_called(agent_http, TOKEN)).get("Session", 0) < 1:
+        assert time.monotonic() < deadline, f"the agent's session never counted: {agent}"
+        time.sleep(0.1)
 
     # Three simulated nodes, formed into a round, then gone. Without the
     # bench's probes: their unary Heartbeat calls time the master's loop.
@@ -94,7 +98,10 @@ def test_the_simulators_nodes_call_only_what_a_real_agent_calls(
         fleet.form(sim, server, fleet.Level("sqlite", 3))  # validates the round
         for proc in sim.procs:
             proc.stop()  # their sessions end: a stream is counted when it ends
-        simulated = methods_called(sim_http, sim.token)
+        deadline = time.monotonic() + 20
+        while (simulated := methods_called(sim_http, sim.token)).get("Session", 0) < 3:
+            assert time.monotonic() < deadline, f"sessions never counted: {simulated}"
+            time.sleep(0.1)
     finally:
         for proc in sim.procs:
             proc.stop()

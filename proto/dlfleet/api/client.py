@@ -87,7 +87,11 @@ def join_request(
     host: str,
     bootstrap_port: int,
     keeper_address: str = "",
+    next_bootstrap_port: int = 0,
 ) -> rendezvous_pb2.JoinRequest:
+    """`next_bootstrap_port`: a second free port, for a join on the session:
+    with it the master joins the node into the next round itself when a round
+    closes (see `AgentSession.join_async`)."""
     return rendezvous_pb2.JoinRequest(
         node_id=node_id,
         incarnation=incarnation,
@@ -95,6 +99,7 @@ def join_request(
         host=host,
         bootstrap_port=bootstrap_port,
         keeper_address=keeper_address,
+        next_bootstrap_port=next_bootstrap_port,
     )
 
 
@@ -716,7 +721,9 @@ class _PendingJoin:
     """A join sent on the session, waiting for its answer."""
 
     join_id: int
-    request: rendezvous_pb2.JoinRequest
+    # None: a join the master made for this node (ReRendezvous.join_id),
+    # until the agent's own join takes its answer.
+    request: rendezvous_pb2.JoinRequest | None
     answer: asyncio.Future[rendezvous_pb2.JoinResponse]
     # The stream it went out on (it goes out once per stream).
     sent_on: object = None
@@ -764,6 +771,8 @@ class AgentSession:
         self._joins = 0
         # The newest round a join on this session was answered with.
         self._answered_round = 0
+        # The spare port of the node's last join, told with every message.
+        self._spare_port = 0
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
 
@@ -787,6 +796,8 @@ class AgentSession:
                     elif event.HasField("joined"):
                         self._answered(event.joined)
                     else:
+                        if event.HasField("re_rendezvous"):
+                            self._master_joined(event.re_rendezvous.join_id, call)
                         self.events.put(event)
                 # Ended without an error: the master stopped reading because a
                 # heartbeat was stale (this incarnation was dropped, say while
@@ -815,6 +826,7 @@ class AgentSession:
             incarnation=self.incarnation,
             round=self.round,
             restarts_in_place=self.restarts_in_place,
+            next_bootstrap_port=self._spare_port,
         )
         if self.metrics is not None:
             message.metrics.CopyFrom(self.metrics)
@@ -855,11 +867,18 @@ class AgentSession:
             raise StaleError(f"the master closed the session of {self.node_id}")
         if self._task.done():
             raise Unavailable(f"the session of {self.node_id} is closed")
-        self._fail_join(StaleError("a newer join on the same session replaced it"))
-        self._joins += 1
-        pending = self._join = _PendingJoin(
-            self._joins, request, asyncio.get_running_loop().create_future()
-        )
+        self._spare_port = request.next_bootstrap_port
+        pending = self._join
+        if pending is not None and pending.request is None:
+            # The master joined this node when it closed the round: its
+            # answer is this join's (sent only if that stream broke).
+            pending.request = request
+        else:
+            self._fail_join(StaleError("a newer join on the same session replaced it"))
+            self._joins += 1
+            pending = self._join = _PendingJoin(
+                self._joins, request, asyncio.get_running_loop().create_future()
+            )
         if self._call is not None:
             await self._send_join(self._call, pending)
         try:
@@ -888,7 +907,7 @@ class AgentSession:
         pending: _PendingJoin,
     ) -> None:
         """`pending` on `call`, once per stream."""
-        if pending.sent_on is call or pending.answer.done():
+        if pending.sent_on is call or pending.answer.done() or pending.request is None:
             return
         pending.sent_on = call
         message = self._message()
@@ -898,6 +917,20 @@ class AgentSession:
         # A write that fails means the stream broke: the next one sends it.
         with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
             await self._write(call, message)
+
+    def _master_joined(
+        self, join_id: int, call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any]
+    ) -> None:
+        """A push: the round closed. With a join id, the master has joined
+        this node into the next round; the agent's next join takes its answer."""
+        pending = self._join
+        if pending is not None and pending.request is not None and not pending.answer.done():
+            return  # the agent's own join is on its way: its answer counts
+        # A join the master made earlier that the agent never took is stale.
+        self._join = None
+        if join_id:
+            future = asyncio.get_running_loop().create_future()
+            self._join = _PendingJoin(join_id, None, future, sent_on=call)
 
     def _answered(self, joined: rendezvous_pb2.SessionJoined) -> None:
         pending = self._join

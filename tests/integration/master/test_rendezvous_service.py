@@ -44,10 +44,13 @@ class Agent:
         self.session: AgentSession = self.client.agent_session(self.node_id, self.incarnation, 0.1)
 
     def join_on_session(
-        self, port: int = 29500, timeout_s: float = 20
+        self, port: int = 29500, timeout_s: float = 20, spare: int = 0
     ) -> rendezvous_pb2.JoinResponse:
-        """The agent's way: the join goes up the session stream."""
-        request = join_request(self.node_id, self.incarnation, self.lws, self.host, port)
+        """The agent's way: the join goes up the session stream (with a spare
+        port, the master may join the node into the next round itself)."""
+        request = join_request(
+            self.node_id, self.incarnation, self.lws, self.host, port, next_bootstrap_port=spare
+        )
         return self.session.join(request, timeout_s=timeout_s)
 
     def join(self, port: int = 29500) -> rendezvous_pb2.JoinResponse:
@@ -370,3 +373,77 @@ def test_a_closed_session_fails_its_join(
     time.sleep(0.3)
     a.session.close()
     assert isinstance(outcome.get(timeout=5), Unavailable)
+
+
+def test_the_master_joins_the_survivors_of_a_closed_round_into_the_next_itself(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """With a spare port on record, a survivor's push carries a join the
+    master made for it: the next round forms when the old one closes, and
+    the survivor's next join takes that answer without sending anything. A
+    spare port serves once: until the node tells a new one (its next join
+    does), it joins itself."""
+    master = start_master(settings(min_nodes=1, max_nodes=3))
+    a, b, c = (agents(master.address, name) for name in "abc")
+    with ThreadPoolExecutor(3) as pool:
+        spares = {a: 31001, b: 31002, c: 31003}
+        list(
+            pool.map(
+                lambda n: n.join_on_session(30000 + ord(n.node_id[0]), spare=spares[n]), [a, b, c]
+            )
+        )
+    c.session.close()  # c's agent died
+    pushes = {agent: agent.next_push() for agent in (a, b)}
+    assert all(p.re_rendezvous.closed_round == 1 for p in pushes.values())
+    assert all(p.re_rendezvous.join_id < 0 for p in pushes.values()), pushes
+    # Round 2 formed with a and b before either asked.
+    deadline = time.monotonic() + 5
+    while (state := master.client.rendezvous_state()).round != 2:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+    assert sorted(state.members) == sorted([a.node_id, b.node_id])
+    joined = {agent: agent.join_on_session(32000, spare=33000) for agent in (a, b)}
+    assert {r.round for r in joined.values()} == {2}
+    leader = next(agent for agent, r in joined.items() if r.group_rank == 0)
+    # The store of round 2 is on the leader's spare port, not the one it just sent.
+    assert joined[a].bootstrap_port == spares[leader]
+    # Round 2 closes before a or b told a new spare (their beats carry it,
+    # every 0.1 s here, so stop b's agent at once): a must join itself.
+    b.session.close()
+    push = a.next_push()
+    assert push.re_rendezvous.closed_round == 2
+    if push.re_rendezvous.join_id:
+        # a's beat had told its new spare (33000) in time: the master used it.
+        assert a.join_on_session(34000, spare=35000).bootstrap_port == 33000
+    else:
+        assert a.join_on_session(34000, spare=35000).bootstrap_port == 34000
+
+
+def test_without_a_spare_port_every_survivor_joins_itself(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b], on_session=True)
+    b.session.close()
+    push = a.next_push()
+    assert push.re_rendezvous.closed_round == 1 and push.re_rendezvous.join_id == 0
+    time.sleep(0.3)
+    assert master.client.rendezvous_state().round == 0  # nobody joined a yet
+    assert a.join_on_session().round == 2
+
+
+def test_a_member_joining_again_is_not_joined_a_second_time_by_the_master(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """Alone in its round, a node whose workers failed joins again: its join
+    closes round 1 and forms round 2 at once; the push for round 1 must not
+    join it again (that would close round 2)."""
+    master = start_master(settings(min_nodes=1, max_nodes=1))
+    a = agents(master.address, "a")
+    assert a.join_on_session(spare=31001).round == 1
+    assert a.join_on_session(32000, spare=32001).round == 2
+    push = a.next_push()
+    assert push.re_rendezvous.closed_round == 1 and push.re_rendezvous.join_id == 0
+    time.sleep(0.3)
+    assert master.client.rendezvous_state().round == 2

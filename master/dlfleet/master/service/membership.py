@@ -65,6 +65,9 @@ class Membership:
         self.stopping = False
         # Told of every node lost, after the cores above (the node check's board).
         self.lost_listeners: list[Callable[[str], Awaitable[None]]] = []
+        # Joins a survivor of a closed round into the next one itself, if it
+        # can: (the join id its push carries, the events), or (0, []).
+        self.rejoin: Callable[[str], tuple[int, list[RendezvousEvent]]] | None = None
 
     async def apply(self, events: list[RendezvousEvent]) -> None:
         """Persist rendezvous events and carry out what follows from them."""
@@ -82,6 +85,8 @@ class Membership:
             if isinstance(event, RoundFormed):
                 shard_events += self.state.book.begin_round(event.round)
         await self._durable(self.state.persist_rendezvous(events, shard_events))
+        # The events of the survivors the master joined into the next round.
+        rejoined: list[RendezvousEvent] = []
         for event in events:
             if isinstance(event, RoundFormed):
                 round_ = self.state.rendezvous.state.active
@@ -98,15 +103,21 @@ class Membership:
                 self.timeline.record(
                     EventKind.ROUND_CLOSED, self.clock(), round=event.round, reason=event.reason
                 )
-                push = rendezvous_pb2.SessionEvent(
-                    re_rendezvous=rendezvous_pb2.ReRendezvous(
-                        closed_round=event.round, reason=event.reason
-                    )
-                )
                 for node_id in event.expected:
                     queue = self.sessions.get(node_id)
-                    if queue is not None:
-                        queue.put_nowait(push)
+                    if queue is None:
+                        continue
+                    join_id = 0
+                    if self.rejoin is not None:
+                        join_id, joined = self.rejoin(node_id)
+                        rejoined += joined
+                    queue.put_nowait(
+                        rendezvous_pb2.SessionEvent(
+                            re_rendezvous=rendezvous_pb2.ReRendezvous(
+                                closed_round=event.round, reason=event.reason, join_id=join_id
+                            )
+                        )
+                    )
         for event in events:
             if isinstance(event, RoundFormed):
                 for member in event.members:
@@ -114,6 +125,7 @@ class Membership:
             elif isinstance(event, NodeDropped):
                 self._wake(event.node_id)
         self._kick_timer()
+        await self.apply(rejoined)
 
     def _kick_timer(self) -> None:
         """Wake the timer if the rendezvous's next deadline is now earlier than

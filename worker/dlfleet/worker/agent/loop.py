@@ -40,6 +40,7 @@ port, chosen at join), so no key of an earlier attempt is ever read again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -175,10 +176,20 @@ FINAL = (Succeeded, Failed, Preempted, CheckFailed)
 def free_port(host: str) -> int:
     """A port free on `host` now, for this node's process-group store should
     it lead the next round; released before the workers start."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` different ports free on `host` now (bound together, then
+    released)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 class Agent:
@@ -374,14 +385,18 @@ class Agent:
         try:
             # On the session, not a Join call of its own: at thousands of
             # nodes the master forms a round with a message per node.
+            # The spare port lets the master join this node into the next
+            # round itself when this one closes (the push then says so).
+            port, spare = free_ports(self.host, 2)
             joined = self.session.join(
                 join_request(
                     self.node_id,
                     self.incarnation,
                     self.config.nproc_per_node,
                     self.host,
-                    free_port(self.host),
+                    port,
                     keeper_address=self.server.peer_address if self.server else "",
+                    next_bootstrap_port=spare,
                 )
             )
         except DlfleetError as error:
