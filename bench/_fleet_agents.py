@@ -74,6 +74,7 @@ class SimNode:
         self.joined_t = 0.0
         self.pushed_t = 0.0
         self.pushes = 0
+        self.joins = 0
         self.error = ""
         self.silent = False  # partitioned: no heartbeat of any kind goes out
         self.probed_t = 0.0  # when its last heartbeat probe went out
@@ -105,8 +106,12 @@ class SimNode:
 
     async def join(self) -> None:
         assert self.session is not None
+        # Two ports as an agent picks them: new ones each join (never bound
+        # here: a simulated node starts no store).
+        port = 20_000 + 2 * (self.joins % 20_000)
+        self.joins += 1
         request = join_request(
-            self.node_id, self.incarnation, 1, "127.0.0.1", 29500, next_bootstrap_port=29501
+            self.node_id, self.incarnation, 1, "127.0.0.1", port, next_bootstrap_port=port + 1
         )
         try:
             result = await self.session.join_async(request, timeout_s=600.0)

@@ -797,7 +797,7 @@ class AgentSession:
                         self._answered(event.joined)
                     else:
                         if event.HasField("re_rendezvous"):
-                            self._master_joined(event.re_rendezvous.join_id, call)
+                            self._master_joined(event.re_rendezvous, call)
                         self.events.put(event)
                 # Ended without an error: the master stopped reading because a
                 # heartbeat was stale (this incarnation was dropped, say while
@@ -919,18 +919,25 @@ class AgentSession:
             await self._write(call, message)
 
     def _master_joined(
-        self, join_id: int, call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any]
+        self,
+        push: rendezvous_pb2.ReRendezvous,
+        call: grpc.aio.StreamStreamCall[rendezvous_pb2.SessionMessage, Any],
     ) -> None:
         """A push: the round closed. With a join id, the master has joined
-        this node into the next round; the agent's next join takes its answer."""
+        this node into the next round (and, if it formed already, the push
+        carries the answer); the agent's next join takes that answer."""
         pending = self._join
         if pending is not None and pending.request is not None and not pending.answer.done():
             return  # the agent's own join is on its way: its answer counts
         # A join the master made earlier that the agent never took is stale.
         self._join = None
-        if join_id:
+        if push.join_id:
+            future: asyncio.Future[rendezvous_pb2.JoinResponse]
             future = asyncio.get_running_loop().create_future()
-            self._join = _PendingJoin(join_id, None, future, sent_on=call)
+            if push.HasField("answer"):
+                self._answered_round = max(self._answered_round, push.answer.round)
+                future.set_result(push.answer)
+            self._join = _PendingJoin(push.join_id, None, future, sent_on=call)
 
     def _answered(self, joined: rendezvous_pb2.SessionJoined) -> None:
         pending = self._join

@@ -396,6 +396,9 @@ def test_the_master_joins_the_survivors_of_a_closed_round_into_the_next_itself(
     pushes = {agent: agent.next_push() for agent in (a, b)}
     assert all(p.re_rendezvous.closed_round == 1 for p in pushes.values())
     assert all(p.re_rendezvous.join_id < 0 for p in pushes.values()), pushes
+    # Every survivor joined: round 2 formed at once, and each push carries
+    # its answer.
+    assert {p.re_rendezvous.answer.round for p in pushes.values()} == {2}
     # Round 2 formed with a and b before either asked.
     deadline = time.monotonic() + 5
     while (state := master.client.rendezvous_state()).round != 2:

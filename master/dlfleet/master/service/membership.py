@@ -21,6 +21,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.master.core.events import Event
@@ -37,6 +38,19 @@ from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
+
+
+class Rejoiner(Protocol):
+    """Joins the survivors of a closed round into the next one (the
+    rendezvous service, which knows their last joins)."""
+
+    def rejoin(self, node_id: str) -> tuple[int, list[RendezvousEvent]]:
+        """Join `node_id` if it can: (the join id its push carries, the
+        events), or (0, [])."""
+
+    def answer(self, node_id: str, join_id: int) -> rendezvous_pb2.JoinResponse | None:
+        """The answer to the join `join_id` if its round has formed; else
+        None, and it goes down the node's session once it forms."""
 
 
 class Membership:
@@ -65,9 +79,8 @@ class Membership:
         self.stopping = False
         # Told of every node lost, after the cores above (the node check's board).
         self.lost_listeners: list[Callable[[str], Awaitable[None]]] = []
-        # Joins a survivor of a closed round into the next one itself, if it
-        # can: (the join id its push carries, the events), or (0, []).
-        self.rejoin: Callable[[str], tuple[int, list[RendezvousEvent]]] | None = None
+        # Joins the survivors of a closed round into the next one itself.
+        self.rejoiner: Rejoiner | None = None
 
     async def apply(self, events: list[RendezvousEvent]) -> None:
         """Persist rendezvous events and carry out what follows from them."""
@@ -85,8 +98,12 @@ class Membership:
             if isinstance(event, RoundFormed):
                 shard_events += self.state.book.begin_round(event.round)
         await self._durable(self.state.persist_rendezvous(events, shard_events))
-        # The events of the survivors the master joined into the next round.
+        # The events of the survivors the master joined into the next round,
+        # and the pushes telling each survivor (session, closed round,
+        # reason, join id).
         rejoined: list[RendezvousEvent] = []
+        pushes: list[tuple[str, asyncio.Queue[rendezvous_pb2.SessionEvent | None], int, str, int]]
+        pushes = []
         for event in events:
             if isinstance(event, RoundFormed):
                 round_ = self.state.rendezvous.state.active
@@ -108,16 +125,10 @@ class Membership:
                     if queue is None:
                         continue
                     join_id = 0
-                    if self.rejoin is not None:
-                        join_id, joined = self.rejoin(node_id)
+                    if self.rejoiner is not None:
+                        join_id, joined = self.rejoiner.rejoin(node_id)
                         rejoined += joined
-                    queue.put_nowait(
-                        rendezvous_pb2.SessionEvent(
-                            re_rendezvous=rendezvous_pb2.ReRendezvous(
-                                closed_round=event.round, reason=event.reason, join_id=join_id
-                            )
-                        )
-                    )
+                    pushes.append((node_id, queue, event.round, event.reason, join_id))
         for event in events:
             if isinstance(event, RoundFormed):
                 for member in event.members:
@@ -125,7 +136,20 @@ class Membership:
             elif isinstance(event, NodeDropped):
                 self._wake(event.node_id)
         self._kick_timer()
-        await self.apply(rejoined)
+        try:
+            # With every survivor joined, the next round forms here, and each
+            # push carries its answer: one message per survivor.
+            await self.apply(rejoined)
+        finally:
+            for node_id, queue, closed, reason, join_id in pushes:
+                push = rendezvous_pb2.ReRendezvous(
+                    closed_round=closed, reason=reason, join_id=join_id
+                )
+                if join_id and self.rejoiner is not None:
+                    answer = self.rejoiner.answer(node_id, join_id)
+                    if answer is not None:
+                        push.answer.CopyFrom(answer)
+                queue.put_nowait(rendezvous_pb2.SessionEvent(re_rendezvous=push))
 
     def _kick_timer(self) -> None:
         """Wake the timer if the rendezvous's next deadline is now earlier than

@@ -47,7 +47,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self._last_join: dict[str, rendezvous_pb2.JoinRequest] = {}
         self._joins: dict[str, set[asyncio.Task[None]]] = {}
         self._master_joins = 0
-        membership.rejoin = self.rejoin
+        membership.rejoiner = self
 
     @rpc
     async def Join(
@@ -236,11 +236,19 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             return 0, []
         last.bootstrap_port, last.next_bootstrap_port = last.next_bootstrap_port, 0
         self._master_joins += 1
-        join_id = -self._master_joins
-        answer = asyncio.create_task(self._answer(node_id, join_id, queue))
-        joins.add(answer)
-        answer.add_done_callback(joins.discard)
-        return join_id, events
+        return -self._master_joins, events
+
+    def answer(self, node_id: str, join_id: int) -> rendezvous_pb2.JoinResponse | None:
+        round_ = self.state.rendezvous.assignment(node_id)
+        if round_ is not None:
+            return join_answer(round_, node_id)
+        joins = self._joins.get(node_id)
+        queue = self.membership.sessions.get(node_id)
+        if joins is not None and queue is not None:
+            answer = asyncio.create_task(self._answer(node_id, join_id, queue))
+            joins.add(answer)
+            answer.add_done_callback(joins.discard)
+        return None
 
     async def _answer(
         self,
