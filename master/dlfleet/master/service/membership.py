@@ -40,9 +40,17 @@ from dlfleet.master.service.timeline import EventKind, Timeline
 _log = logging.getLogger(__name__)
 
 
+# How long the master waits, once a round has closed, before it joins the
+# survivors into the next one and tells them (see `Membership.apply`).
+LOSS_COALESCE_S = 0.1
+
+
 class Rejoiner(Protocol):
     """Joins the survivors of a closed round into the next one (the
     rendezvous service, which knows their last joins)."""
+
+    def can_rejoin(self, node_id: str) -> bool:
+        """Whether `rejoin` may join `node_id` (a spare port on record)."""
 
     def rejoin(self, node_id: str) -> tuple[int, list[RendezvousEvent]]:
         """Join `node_id` if it can: (the join id its push carries, the
@@ -122,13 +130,8 @@ class Membership:
                 )
                 for node_id in event.expected:
                     queue = self.sessions.get(node_id)
-                    if queue is None:
-                        continue
-                    join_id = 0
-                    if self.rejoiner is not None:
-                        join_id, joined = self.rejoiner.rejoin(node_id)
-                        rejoined += joined
-                    pushes.append((node_id, queue, event.round, event.reason, join_id))
+                    if queue is not None:
+                        pushes.append((node_id, queue, event.round, event.reason, 0))
         for event in events:
             if isinstance(event, RoundFormed):
                 for member in event.members:
@@ -137,6 +140,17 @@ class Membership:
                 self._wake(event.node_id)
         self._kick_timer()
         try:
+            rejoiner = self.rejoiner
+            if rejoiner is not None and any(rejoiner.can_rejoin(push[0]) for push in pushes):
+                # Nodes lost together (a host, a rack) are noticed within tens
+                # of ms of each other: one re-formation for all of them, not
+                # a round formed with some of them and closed again.
+                await asyncio.sleep(LOSS_COALESCE_S)
+                for index, (node_id, queue, closed, reason, _) in enumerate(pushes):
+                    if self.sessions.get(node_id) is queue:
+                        join_id, joined = rejoiner.rejoin(node_id)
+                        pushes[index] = (node_id, queue, closed, reason, join_id)
+                        rejoined += joined
             # With every survivor joined, the next round forms here, and each
             # push carries its answer: one message per survivor.
             await self.apply(rejoined)

@@ -204,6 +204,10 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             )
         queue.put_nowait(rendezvous_pb2.SessionEvent(joined=joined))
 
+    def can_rejoin(self, node_id: str) -> bool:
+        last = self._last_join.get(node_id)
+        return last is not None and last.next_bootstrap_port != 0
+
     def rejoin(self, node_id: str) -> tuple[int, list[RendezvousEvent]]:
         """Join a survivor of a closed round into the next one, as its agent
         would on being told (with its last join on the session and its spare
