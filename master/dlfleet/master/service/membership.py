@@ -40,8 +40,10 @@ from dlfleet.master.service.timeline import EventKind, Timeline
 _log = logging.getLogger(__name__)
 
 
-# How long the master waits, once a round has closed, before it joins the
-# survivors into the next one and tells them (see `Membership.apply`).
+# How long the master waits, once a round has closed on a node's loss, before
+# it joins the survivors into the next one and tells them (see
+# `Membership.apply`; a round closed by a join, say a member restarting its
+# workers, re-forms at once).
 LOSS_COALESCE_S = 0.1
 
 
@@ -90,8 +92,10 @@ class Membership:
         # Joins the survivors of a closed round into the next one itself.
         self.rejoiner: Rejoiner | None = None
 
-    async def apply(self, events: list[RendezvousEvent]) -> None:
-        """Persist rendezvous events and carry out what follows from them."""
+    async def apply(self, events: list[RendezvousEvent], *, lost: bool = False) -> None:
+        """Persist rendezvous events and carry out what follows from them.
+        `lost`: they follow a node's loss (others lost with it may be noticed
+        in a moment)."""
         if not events:
             return
         if all(type(event) is NodeJoined for event in events):
@@ -142,10 +146,11 @@ class Membership:
         try:
             rejoiner = self.rejoiner
             if rejoiner is not None and any(rejoiner.can_rejoin(push[0]) for push in pushes):
-                # Nodes lost together (a host, a rack) are noticed within tens
-                # of ms of each other: one re-formation for all of them, not
-                # a round formed with some of them and closed again.
-                await asyncio.sleep(LOSS_COALESCE_S)
+                if lost:
+                    # Nodes lost together (a host, a rack) are noticed within
+                    # tens of ms of each other: one re-formation for all of
+                    # them, not a round formed with some and closed again.
+                    await asyncio.sleep(LOSS_COALESCE_S)
                 for index, (node_id, queue, closed, reason, _) in enumerate(pushes):
                     if self.sessions.get(node_id) is queue:
                         join_id, joined = rejoiner.rejoin(node_id)
@@ -205,7 +210,7 @@ class Membership:
         await self._durable(self.state.persist(self.state.book.release_node(node_id)))
         # Before the survivors hear of it: their restore must not be sent to it.
         await self.images_lost(node_id)
-        await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()))
+        await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()), lost=True)
         for listener in self.lost_listeners:
             await listener(node_id)
 
