@@ -4,9 +4,15 @@ on the master's event loop.
 What one core decides, the others must hear: a round that forms makes the
 shard book serve that round (older rounds' leases are released); a node that
 dies or leaves is dropped from the rendezvous (closing its round) and loses its
-leases and the checkpoint copies it held; a round that closes is pushed at
-once to its members' sessions, so they re-rendezvous instead of waiting in a
-collective. Everything is persisted before anyone is told.
+leases and the checkpoint copies it held; a round that closes is pushed to
+its members' sessions (within 0.1 s of a loss), so they re-rendezvous
+instead of waiting in a collective. Everything is persisted before anyone is
+told.
+
+The survivors of a closed round whose last join left a spare port are joined
+into the next round by the master itself (`Rejoiner`): the round forms as the
+old one closes, and each survivor's push carries its answer, one message per
+survivor instead of a push, a join and an answer.
 
 A waiting joiner is woken only by what concerns it (its round formed, or it
 was dropped): with thousands waiting, waking all of them on every event
