@@ -111,6 +111,8 @@ def test_joins_block_until_the_round_forms_and_agree_on_it(
     order = list(state.members)
     assert sorted(order) == sorted(lws_of)
     assert list(state.local_world_sizes) == [lws_of[node] for node in order]
+    # The store is on the leader's port (join_all gives node i port 29500 + i).
+    leader_port = 29500 + [n.node_id for n in nodes].index(order[0])
     for node, r in zip(nodes, results, strict=True):
         assert order[r.group_rank] == node.node_id
         assert r.group_world_size == 3
@@ -118,7 +120,7 @@ def test_joins_block_until_the_round_forms_and_agree_on_it(
         assert r.local_world_size == lws_of[node.node_id]
         assert r.rank_offset == sum(lws_of[n] for n in order[: r.group_rank])
         assert r.keeper_peer == ""
-        assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, 29500)
+        assert (r.bootstrap_host, r.bootstrap_port) == (results[0].bootstrap_host, leader_port)
         sizes = [run.size for run in r.local_world_size_runs for _ in range(run.count)]
         assert sizes == list(state.local_world_sizes)  # the same for every member
 
@@ -292,6 +294,22 @@ def test_network_failures_naming_one_node_in_two_rounds_make_it_a_suspect(
     assert "named it in rounds 1, 2" in suspect.reason
 
 
+def join_in_background(
+    agent: Agent, timeout_s: float = 20
+) -> queue.Queue[BaseException | rendezvous_pb2.JoinResponse]:
+    """`agent` joins on its session in a thread: its answer, or its error."""
+    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
+
+    def join() -> None:
+        try:
+            outcome.put(agent.join_on_session(timeout_s=timeout_s))
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            outcome.put(error)
+
+    threading.Thread(target=join, daemon=True).start()
+    return outcome
+
+
 def test_a_join_on_the_session_fails_as_the_call_would(
     start_master: Callable[..., Running], agents: Callable[..., Agent]
 ) -> None:
@@ -311,15 +329,7 @@ def test_a_silent_node_waiting_on_its_session_is_told_it_was_dropped(
 ) -> None:
     master = start_master(settings(min_nodes=2, max_nodes=2))
     a = agents(master.address, "a")
-    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
-
-    def join() -> None:
-        try:
-            outcome.put(a.join_on_session(timeout_s=20))
-        except StaleError as error:
-            outcome.put(error)
-
-    threading.Thread(target=join, daemon=True).start()
+    outcome = join_in_background(a)
     time.sleep(0.3)
     a.session._io.loop.call_soon_threadsafe(a.session.silence)  # a partition
     error = outcome.get(timeout=10)
@@ -333,15 +343,7 @@ def test_a_join_on_the_session_rides_out_a_master_restart(
     same store, forms the round with it."""
     master = start_master(settings(min_nodes=2, max_nodes=2))
     a, b = agents(master.address, "a"), agents(master.address, "b")
-    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
-
-    def join() -> None:
-        try:
-            outcome.put(a.join_on_session(timeout_s=30))
-        except Exception as error:  # noqa: BLE001 - the test reports it
-            outcome.put(error)
-
-    threading.Thread(target=join, daemon=True).start()
+    outcome = join_in_background(a, timeout_s=30)
     deadline = time.monotonic() + 5
     while master.client.rendezvous_state().num_nodes_waiting < 1:
         assert time.monotonic() < deadline, "a's join never reached the master"
@@ -361,15 +363,7 @@ def test_a_closed_session_fails_its_join(
 ) -> None:
     master = start_master(settings(min_nodes=2, max_nodes=2))
     a = agents(master.address, "a")
-    outcome: queue.Queue[BaseException | rendezvous_pb2.JoinResponse] = queue.Queue()
-
-    def join() -> None:
-        try:
-            outcome.put(a.join_on_session(timeout_s=20))
-        except Unavailable as error:
-            outcome.put(error)
-
-    threading.Thread(target=join, daemon=True).start()
+    outcome = join_in_background(a)
     time.sleep(0.3)
     a.session.close()
     assert isinstance(outcome.get(timeout=5), Unavailable)

@@ -196,12 +196,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             answer = await self._join(node_id, incarnation, request, request.answered_round)
             joined = rendezvous_pb2.SessionJoined(join_id=join_id, answer=answer)
         except DlfleetError as error:
-            joined = rendezvous_pb2.SessionJoined(
-                join_id=join_id,
-                error=shards_pb2.StreamError(
-                    code=status_of(error).value[0], message=bounded_details(str(error))
-                ),
-            )
+            joined = join_failed(join_id, error)
         queue.put_nowait(rendezvous_pb2.SessionEvent(joined=joined))
 
     def can_rejoin(self, node_id: str) -> bool:
@@ -265,12 +260,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             answer = await self._round_of(node_id)
             joined = rendezvous_pb2.SessionJoined(join_id=join_id, answer=answer)
         except DlfleetError as error:
-            joined = rendezvous_pb2.SessionJoined(
-                join_id=join_id,
-                error=shards_pb2.StreamError(
-                    code=status_of(error).value[0], message=bounded_details(str(error))
-                ),
-            )
+            joined = join_failed(join_id, error)
         queue.put_nowait(rendezvous_pb2.SessionEvent(joined=joined))
 
     async def _session_ended(self, node_id: str, incarnation: int) -> None:
@@ -387,4 +377,15 @@ def join_answer(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
         local_world_size_runs=[
             rendezvous_pb2.SizeRun(size=size, count=count) for size, count in round_.size_runs
         ],
+    )
+
+
+def join_failed(join_id: int, error: DlfleetError) -> rendezvous_pb2.SessionJoined:
+    """The answer to a join on the session that failed: its error as the
+    `Join` call would have raised it."""
+    return rendezvous_pb2.SessionJoined(
+        join_id=join_id,
+        error=shards_pb2.StreamError(
+            code=status_of(error).value[0], message=bounded_details(str(error))
+        ),
     )
