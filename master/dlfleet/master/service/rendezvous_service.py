@@ -8,6 +8,7 @@ Lives in the master service process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -140,11 +141,11 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     ) -> None:
         """Every message is a heartbeat; one with `join` is a join too."""
         try:
-            self._heard(first, node_id, incarnation, queue, joins)
-            async for message in messages:
-                self._heard(message, node_id, incarnation, queue, joins)
-        except Exception:  # noqa: BLE001 - the stream broke: the session is over
-            pass
+            # A stream that breaks (or a stale beat) ends the session.
+            with contextlib.suppress(Exception):
+                self._heard(first, node_id, incarnation, queue, joins)
+                async for message in messages:
+                    self._heard(message, node_id, incarnation, queue, joins)
         finally:
             queue.put_nowait(None)
 
