@@ -49,6 +49,11 @@ from dlfleet.api.v1 import (
 _log = logging.getLogger(__name__)
 
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A session stream also breaks with INTERNAL: a write on a call whose
+# transport went down with the master fails inside the client ("Internal
+# error from Core") before the read sees UNAVAILABLE. The master never closes
+# a session with INTERNAL (it refuses one with the domain error's status).
+_SESSION_BREAKS = _RETRYABLE | {grpc.StatusCode.INTERNAL}
 
 Resp = TypeVar("Resp")
 
@@ -806,7 +811,7 @@ class AgentSession:
                 # (closed_by_master below); a master restart is a break.
                 self.broken.set()
             except grpc.RpcError as error:
-                if error.code() in _RETRYABLE:
+                if error.code() in _SESSION_BREAKS:
                     self.broken.set()
                 else:
                     self.closed_by_master.set()
