@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 
@@ -58,6 +59,27 @@ _SESSION_BREAKS = _RETRYABLE | {grpc.StatusCode.INTERNAL}
 Resp = TypeVar("Resp")
 
 
+class _RequestIds:
+    """Lease request ids, unique across processes and restarts: a random
+    prefix per process (a new one after fork) and a counter. A `uuid4` each
+    costs a getrandom syscall per lease, a tenth of a client's CPU per pair at
+    thousands of leases a second."""
+
+    def __init__(self) -> None:
+        self._renew()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self._prefix = uuid.uuid4().hex[:16]
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"
+
+
+_request_ids = _RequestIds()
+
+
 def rank_lease_request(
     dataset: str, node_id: str, rank: int, done: Iterable[int], request_id: str | None
 ) -> shards_pb2.LeaseRequest:
@@ -66,7 +88,7 @@ def rank_lease_request(
     return shards_pb2.LeaseRequest(
         dataset=dataset,
         rank=shards_pb2.RankConsumer(node_id=node_id, rank=rank),
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=request_id or _request_ids.next(),
         done=done,
     )
 
@@ -564,18 +586,121 @@ class _SharedLoop:
     forked child starts its own."""
 
     _lock = threading.Lock()
-    _current: tuple[int, asyncio.AbstractEventLoop] | None = None
+    _current: tuple[int, asyncio.AbstractEventLoop, _Handoff] | None = None
 
     @classmethod
     def get(cls) -> asyncio.AbstractEventLoop:
+        return cls._started()[1]
+
+    @classmethod
+    def handoff(cls) -> _Handoff:
+        return cls._started()[2]
+
+    @classmethod
+    def _started(cls) -> tuple[int, asyncio.AbstractEventLoop, _Handoff]:
         with cls._lock:
             if cls._current is None or cls._current[0] != os.getpid():
                 loop = asyncio.new_event_loop()
                 threading.Thread(
                     target=loop.run_forever, name="dlfleet-client-io", daemon=True
                 ).start()
-                cls._current = (os.getpid(), loop)
-            return cls._current[1]
+                cls._current = (os.getpid(), loop, _Handoff(loop))
+            return cls._current
+
+
+class _Handoff:
+    """Coroutines handed to a loop from other threads, like
+    `asyncio.run_coroutine_threadsafe`, with one wake-up of the loop per
+    burst: a coroutine handed over while an earlier one still waits for the
+    loop rides on that one's wake-up. Each wake-up is a write to the loop's
+    self-pipe by the caller and a turn of the loop thread; with dozens of
+    sessions in one process those turns, and the GIL hand-offs around them,
+    were most of what a lease waited for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queue: list[_Handed[Any]] = []
+        self._scheduled = False
+
+    def submit(self, coro: Coroutine[Any, Any, Resp]) -> _Handed[Resp]:
+        handed = _Handed(self._loop, coro)
+        with self._lock:
+            self._queue.append(handed)
+            if self._scheduled:
+                return handed
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._start)
+        return handed
+
+    def _start(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue, []
+            self._scheduled = False
+        for handed in batch:
+            handed.start()
+
+
+class _Handed(Generic[Resp]):
+    """A coroutine handed to the loop, and its outcome for the one thread
+    that waits for it. Lighter than a `concurrent.futures.Future`: the waiter
+    sleeps on a lock the loop releases as its last step, so it never wakes
+    only to wait again for a lock the loop still holds."""
+
+    __slots__ = ("_coro", "_done", "_given_up", "_lock", "_loop", "_outcome", "_ready", "_task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Resp]) -> None:
+        self._loop = loop
+        self._coro: Coroutine[Any, Any, Resp] | None = coro
+        self._lock = threading.Lock()  # guards _task, _given_up, _done
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._task: asyncio.Task[Resp] | None = None
+        self._given_up = False
+        self._done = False
+        self._outcome: Resp | BaseException | None = None
+
+    def start(self) -> None:
+        """On the loop: run the coroutine, unless its caller gave up already."""
+        coro, self._coro = self._coro, None
+        assert coro is not None, "started twice"
+        with self._lock:
+            if self._given_up:
+                coro.close()
+                return
+            task = self._task = self._loop.create_task(coro)
+        task.add_done_callback(self._finish)
+
+    def _finish(self, task: asyncio.Task[Resp]) -> None:
+        if task.cancelled():
+            outcome: Resp | BaseException = concurrent.futures.CancelledError()
+        else:
+            error = task.exception()
+            outcome = error if error is not None else task.result()
+        with self._lock:
+            self._outcome = outcome
+            self._done = True
+        self._ready.release()
+
+    def result(self, timeout_s: float) -> Resp:
+        """The coroutine's result (or its exception, raised here) within
+        `timeout_s`; else it is cancelled on the loop (or never started) and
+        this raises `TimeoutError`."""
+        if not self._ready.acquire(timeout=timeout_s):
+            with self._lock:
+                done = self._done
+                if not done:
+                    self._given_up = True
+                    task = self._task
+            if not done:
+                if task is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop is closed
+                        self._loop.call_soon_threadsafe(task.cancel)
+                raise TimeoutError(f"no outcome within {timeout_s} s")
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return cast(Resp, outcome)
 
 
 class _IoLoop:
@@ -588,6 +713,7 @@ class _IoLoop:
         credentials: grpc.ChannelCredentials | None,
     ) -> None:
         self.loop = _SharedLoop.get()
+        self.handoff = _SharedLoop.handoff()
 
         async def connect() -> shards_pb2_grpc.ShardsAsyncStub:
             if credentials is not None:
@@ -665,12 +791,10 @@ class LeaseSession:
         The calling thread keeps the deadline while it waits, rather than an
         `asyncio.wait_for` on the loop, which costs the loop that every session
         of the process shares a task and a timer per message."""
-        exchange = asyncio.run_coroutine_threadsafe(self._exchange(io, request), io.loop)
+        exchange = io.handoff.submit(self._exchange(io, request))
         try:
             return exchange.result(self._client.timeout_s)
-        except concurrent.futures.TimeoutError:
-            if not exchange.cancel():  # answered just now
-                return exchange.result()
+        except TimeoutError:
             # Cancelled on the loop, the exchange drops its stream.
             raise _StreamTimeout(self._client.timeout_s) from None
 
