@@ -615,13 +615,19 @@ class _Handoff:
     loop rides on that one's wake-up. Each wake-up is a write to the loop's
     self-pipe by the caller and a turn of the loop thread; with dozens of
     sessions in one process those turns, and the GIL hand-offs around them,
-    were most of what a lease waited for."""
+    were most of what a lease waited for.
+
+    The way back is batched too: the callers whose answers came in one turn
+    of the loop are woken together at its end, when the loop is about to
+    sleep and let go of the GIL, not one by one while it still holds it (a
+    caller woken then only wakes to wait again, for the GIL)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._queue: list[_Handed[Any]] = []
         self._scheduled = False
+        self._to_wake: list[threading.Lock] = []
 
     def submit(self, coro: Coroutine[Any, Any, Resp]) -> _Handed[Resp]:
         handed = _Handed(self._loop, coro)
@@ -638,7 +644,18 @@ class _Handoff:
             batch, self._queue = self._queue, []
             self._scheduled = False
         for handed in batch:
-            handed.start()
+            handed.start(self)
+
+    def wake(self, ready: threading.Lock) -> None:
+        """On the loop: release `ready` once this turn's callbacks have run."""
+        if not self._to_wake:
+            self._loop.call_soon(self._wake_all)
+        self._to_wake.append(ready)
+
+    def _wake_all(self) -> None:
+        ready, self._to_wake = self._to_wake, []
+        for lock in ready:
+            lock.release()
 
 
 class _Handed(Generic[Resp]):
@@ -647,7 +664,17 @@ class _Handed(Generic[Resp]):
     sleeps on a lock the loop releases as its last step, so it never wakes
     only to wait again for a lock the loop still holds."""
 
-    __slots__ = ("_coro", "_done", "_given_up", "_lock", "_loop", "_outcome", "_ready", "_task")
+    __slots__ = (
+        "_coro",
+        "_done",
+        "_given_up",
+        "_handoff",
+        "_lock",
+        "_loop",
+        "_outcome",
+        "_ready",
+        "_task",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Resp]) -> None:
         self._loop = loop
@@ -660,7 +687,7 @@ class _Handed(Generic[Resp]):
         self._done = False
         self._outcome: Resp | BaseException | None = None
 
-    def start(self) -> None:
+    def start(self, handoff: _Handoff) -> None:
         """On the loop: run the coroutine, unless its caller gave up already."""
         coro, self._coro = self._coro, None
         assert coro is not None, "started twice"
@@ -669,6 +696,7 @@ class _Handed(Generic[Resp]):
                 coro.close()
                 return
             task = self._task = self._loop.create_task(coro)
+        self._handoff = handoff
         task.add_done_callback(self._finish)
 
     def _finish(self, task: asyncio.Task[Resp]) -> None:
@@ -680,7 +708,7 @@ class _Handed(Generic[Resp]):
         with self._lock:
             self._outcome = outcome
             self._done = True
-        self._ready.release()
+        self._handoff.wake(self._ready)
 
     def result(self, timeout_s: float) -> Resp:
         """The coroutine's result (or its exception, raised here) within
