@@ -259,3 +259,75 @@ def test_submit_works_from_an_asyncio_event_loop(store: StateStore) -> None:
 
     assert sorted(seqs) == sorted(set(seqs)) and len(seqs) == 50
     assert len(_payloads(store)["s"]) == 50
+
+
+class RecordingSink:
+    """A `CommitSink` that records what it is told, and on which thread."""
+
+    def __init__(self) -> None:
+        self.told: list[list[tuple[object, int | BaseException]]] = []
+        self.threads: set[str] = set()
+        self.done = threading.Event()
+
+    def committed(self, outcomes: list[tuple[object, int | BaseException]]) -> None:
+        self.told.append(outcomes)
+        self.threads.add(threading.current_thread().name)
+        self.done.set()
+
+
+def test_a_sink_is_told_once_per_batch_in_order_after_the_batch_is_durable(
+    url: str, store: StateStore
+) -> None:
+    gated = GatedStore(store)
+    committer = GroupCommitter(gated, thread_name="writer")
+    first = committer.submit([("s", "first")])
+    assert gated.entered.wait(10)
+    sink, other = RecordingSink(), RecordingSink()
+    committer.submit_to([("s", "a1"), ("s", "a2")], sink, "a")
+    committer.submit_to([("s", "b")], other, "b")
+    middle = committer.submit([("s", "middle")])
+    committer.submit_to([("s", "c")], sink, "c")
+    gated.release.set()
+    assert middle.result(timeout=10) > 0 and sink.done.wait(10) and other.done.wait(10)
+    base = first.result()
+    # One call per sink for the batch, its submissions in order, each with
+    # the seq of its last entry.
+    assert sink.told == [[("a", base + 2), ("c", base + 5)]]
+    assert other.told == [[("b", base + 3)]]
+    assert sink.threads == {"writer"}
+    reader = open_store(url)
+    assert _payloads(reader) == {"s": ["first", "a1", "a2", "b", "middle", "c"]}
+    reader.close()
+    committer.close()
+
+
+def test_a_sink_is_told_the_exception_of_a_failed_batch(store: StateStore) -> None:
+    gated = GatedStore(store)
+    committer = GroupCommitter(gated)
+    first = committer.submit([("s", "first")])
+    assert gated.entered.wait(10)
+    sink = RecordingSink()
+    committer.submit_to([("s", "same batch")], sink, 1)
+    committer.submit_to([("x" * 256, "stream name too long")], sink, 2)
+    gated.release.set()
+    assert first.result(timeout=10) > 0 and sink.done.wait(10)
+    [outcomes] = sink.told
+    assert [token for token, _ in outcomes] == [1, 2]
+    for _, outcome in outcomes:
+        assert isinstance(outcome, StoreError) and "stream_length" in str(outcome)
+    committer.close()
+
+
+def test_a_failing_sink_does_not_stop_the_writer(
+    store: StateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        def committed(self, outcomes: list[tuple[object, int | BaseException]]) -> None:
+            raise RuntimeError("sink bug")
+
+    committer = GroupCommitter(store)
+    committer.submit_to([("s", "one")], Broken(), None)
+    assert committer.submit([("s", "two")]).result(timeout=10) > 0
+    committer.close()
+    assert "a commit sink failed" in caplog.text
+    assert _payloads(store) == {"s": ["one", "two"]}

@@ -39,13 +39,16 @@ def system_clock() -> int:
 
 
 class Durable:
-    """Turns the group committer's thread futures into asyncio futures, with one
-    loop wake-up per committed batch rather than one per request."""
+    """Turns the group committer's outcomes into asyncio futures, with one
+    loop wake-up per committed batch rather than one per request: for a thread
+    future (`wait`), or as the committer's sink (`waiter`, then
+    `GroupCommitter.submit_to(..., durable, waiter)`), which spares the
+    future."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._ready: list[tuple[asyncio.Future[int], Future[int]]] = []
+        self._ready: list[tuple[object, int | BaseException]] = []
         self._scheduled = False
 
     def wait(self, future: Future[int]) -> asyncio.Future[int]:
@@ -53,26 +56,35 @@ class Durable:
         future.add_done_callback(lambda done: self._push(waiter, done))
         return waiter
 
-    def _push(self, waiter: asyncio.Future[int], done: Future[int]) -> None:
+    def waiter(self) -> asyncio.Future[int]:
+        """A future for `committed` to settle: pass it as the token."""
+        return self._loop.create_future()
+
+    def committed(self, outcomes: list[tuple[object, int | BaseException]]) -> None:
+        """`CommitSink`: on the writer thread, once per batch."""
         with self._lock:
-            self._ready.append((waiter, done))
+            self._ready.extend(outcomes)
             if self._scheduled:
                 return
             self._scheduled = True
         self._loop.call_soon_threadsafe(self._drain)
 
+    def _push(self, waiter: asyncio.Future[int], done: Future[int]) -> None:
+        error = done.exception()
+        self.committed([(waiter, error if error is not None else done.result())])
+
     def _drain(self) -> None:
         with self._lock:
             ready, self._ready = self._ready, []
             self._scheduled = False
-        for waiter, done in ready:
+        for waiter, outcome in ready:
+            assert isinstance(waiter, asyncio.Future)
             if waiter.cancelled():
                 continue
-            error = done.exception()
-            if error is not None:
-                waiter.set_exception(error)
+            if isinstance(outcome, BaseException):
+                waiter.set_exception(outcome)
             else:
-                waiter.set_result(done.result())
+                waiter.set_result(outcome)
 
 
 def rpc(

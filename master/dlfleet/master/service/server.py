@@ -90,7 +90,9 @@ class _Handlers:
         self.membership = membership
 
     async def persist(self, events: list[Event]) -> None:
-        await self.durable.wait(self.state.persist(events))
+        waiter = self.durable.waiter()
+        self.state.persist_to(events, self.durable, waiter)
+        await waiter
 
 
 class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):

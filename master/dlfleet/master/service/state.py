@@ -39,7 +39,7 @@ from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, Rendezvo
 from dlfleet.master.core.shards import ShardBook, ShardSettings
 from dlfleet.master.core.suspicion import SUSPECT_AFTER_ROUNDS, NetworkSuspicion
 from dlfleet.master.store.base import StateStore, StoreError
-from dlfleet.master.store.groupcommit import GroupCommitter
+from dlfleet.master.store.groupcommit import CommitSink, GroupCommitter
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +154,18 @@ class MasterState:
         """Queue `events` (already applied) for a durable write. An empty list
         still waits for everything queued before it: an answer read from state
         that is not yet durable must not leave before that state is."""
+        entries = self._journal_entries(events)
+        future = self._committer.submit(entries)
+        self._checkpoint_due(entries)
+        return future
+
+    def persist_to(self, events: Sequence[Event], sink: CommitSink, token: object) -> None:
+        """`persist`, with the outcome told to `sink` (`GroupCommitter.submit_to`)."""
+        entries = self._journal_entries(events)
+        self._committer.submit_to(entries, sink, token)
+        self._checkpoint_due(entries)
+
+    def _journal_entries(self, events: Sequence[Event]) -> list[tuple[str, str]]:
         if self.on_events is not None:
             self.on_events(events)
         entries: list[tuple[str, str]] = []
@@ -161,13 +173,14 @@ class MasterState:
             stream = DATASET_PREFIX + event.dataset
             entries.append((stream, event.to_json()))
             self._since_checkpoint[stream] += 1
-        future = self._committer.submit(entries)
+        return entries
+
+    def _checkpoint_due(self, entries: list[tuple[str, str]]) -> None:
         for stream, payload in self._due_checkpoints(entries):
             # Its own submission, so that the future's seq is the checkpoint's.
             self._committer.submit([(stream, payload)]).add_done_callback(
                 self._compactor(stream, payload)
             )
-        return future
 
     def persist_rendezvous(
         self, events: Sequence[RendezvousEvent], shard_events: Sequence[Event] = ()
