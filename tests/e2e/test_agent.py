@@ -317,3 +317,36 @@ def test_stock_torchrun_forms_its_world_through_the_master(
     workers = Workers(out)
     for rank in (0, 1):
         assert [s["sum"] for s in workers.steps("t0", rank)] == [2.0] * 5
+
+
+def test_stock_torchrun_restarts_through_the_master_after_a_worker_fails(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> None:
+    """Rank 0 exits on the first attempt; its torchrun restarts it, the
+    master's push makes the other torchrun restart too, and the second round
+    (which the master forms itself, from the spare ports the handler offered)
+    trains to the end."""
+    master = master_process(
+        f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2",
+        "--last-call-timeout", "0.3",
+    )  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    argv = [
+        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        "--rdzv-backend", "dlfleet", "--rdzv-endpoint", master.address, "--rdzv-id", "job",
+        "--monitor-interval", "0.1", str(SCRIPT), str(out), "5", "0.05",
+    ]  # fmt: skip
+    env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "FAIL_MODE": "once"}
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        code, log = finish(proc)
+        assert code == 0, log
+    # The node that failed runs its second attempt (t1) as one of the two
+    # ranks of a world of two, every step summing both ranks' ones.
+    second = [Workers(out).steps("t1", rank) for rank in (0, 1)]
+    assert [s["sum"] for s in second[0] + second[1]] == [2.0] * 5

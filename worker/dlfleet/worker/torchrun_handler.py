@@ -5,7 +5,9 @@
 
 Registered under the `torchrun.handlers` entry-point group. torchrun's own
 agent keeps launching and restarting the workers; the world is formed by the
-dlfleet master: each `next_rendezvous()` is one blocking Join. Every round gets
+dlfleet master: each `next_rendezvous()` is one join on the node's session
+(with a spare port, so that the master joins the node into the next round
+itself when a round closes, like dlfleet's own agent). Every round gets
 a fresh TCPStore for torchrun's control plane, hosted by group rank 0 on the
 port it offered at join, so no key of an earlier round is ever read again (the
 failure mode of torchrun's c10d backend after a crashed rank). The master's
@@ -38,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.errors import DlfleetError, Unavailable
-from dlfleet.worker.agent.loop import free_port
+from dlfleet.worker.agent.loop import free_ports
 
 _log = logging.getLogger(__name__)
 
@@ -78,9 +80,16 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             assert self._session is not None
             while not self._session.events.empty():
                 self._session.events.get_nowait()
+            # The spare port lets the master join this node into the next
+            # round itself when this one closes, as it does the agent's: the
+            # next round forms while torchrun restarts its workers.
+            port, spare = free_ports(self._host, 2)
             joined = self._session.join(
-                join_request(self._node_id, self._incarnation, 1, self._host, free_port(self._host))
-            )
+                join_request(
+                    self._node_id, self._incarnation, 1, self._host, port,
+                    next_bootstrap_port=spare,
+                )
+            )  # fmt: skip
         except Unavailable as error:
             raise RendezvousConnectionError(str(error)) from error
         except DlfleetError as error:
