@@ -14,13 +14,17 @@ answer:
 * idle: every node registered, its session open, nothing sent for `--idle` s
   (keepalive pings only): cores per 1,000 nodes.
 * join: every node (registered, its session stream open: not counted) joins
-  at once; the round forms when the last arrives (min = max = N).
+  at once on its session (`SessionMessage.join`, as the agent joins); the
+  round forms when the last arrives (min = max = N); every answer is read.
 * heartbeat: `Nodes.Heartbeat` unary calls, 64 in flight.
 * session beat: one `SessionMessage` with node metrics per node on its open
   session stream (how real agents beat), a few times over.
 * paced beat: the same beats, every node's every `--interval` s spread
   evenly over `--paced` s, as a fleet's arrive (each wakes the master alone).
-* lease+ack: async-mode (rank consumer) `Lease` then `Report(done)`, 64 in flight.
+* lease stream: 64 `LeaseStream`s (as loaders lease), one message each way
+  per pair: the request reports the previous shard done and leases the next.
+* lease+ack unary: async-mode (rank consumer) `Lease` then `Report(done)`,
+  64 in flight: two calls per pair, for reference.
 
 `--profile DIR`: the master runs under cProfile, one profile per phase
 (bench/_profiled.py); the CPU numbers then include the profiler's cost.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -106,15 +111,26 @@ async def bounded(call: Callable[[int], Awaitable[Any]], count: int, in_flight: 
 
 
 class Session:
-    """A node's open session stream: messages are put, nothing is awaited."""
+    """A node's open session stream: messages are put, nothing is awaited;
+    the answers to joins sent on it are read into `joined`."""
 
     def __init__(self, stub: Any, meta: Any) -> None:
         self.outbox: asyncio.Queue[rendezvous_pb2.SessionMessage | None] = asyncio.Queue()
         self.call = stub.Session(self._messages(), metadata=meta)
+        self.joined: asyncio.Future[rendezvous_pb2.SessionJoined] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.reader = asyncio.ensure_future(self._read())
 
     async def _messages(self) -> AsyncIterator[rendezvous_pb2.SessionMessage]:
         while (message := await self.outbox.get()) is not None:
             yield message
+
+    async def _read(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for event in self.call:
+                if event.HasField("joined") and not self.joined.done():
+                    self.joined.set_result(event.joined)
 
 
 class Fleet:
@@ -184,17 +200,20 @@ class Fleet:
 
     async def join(self) -> float:
         cpu0 = self.master.cpu()
-        joined = await asyncio.gather(*(
-            self.rendezvous(k).Join(
-                rendezvous_pb2.JoinRequest(
-                    node_id=node_id, incarnation=inc, local_world_size=8, host=f"h{k}",
-                    bootstrap_port=1234,
-                ),
-                metadata=self.meta,
+        for k, (node_id, inc) in enumerate(self.ids):
+            request = rendezvous_pb2.JoinRequest(
+                node_id=node_id, incarnation=inc, local_world_size=8, host=f"h{k}",
+                bootstrap_port=1234,
+            )  # fmt: skip
+            self.sessions[k].outbox.put_nowait(
+                rendezvous_pb2.SessionMessage(
+                    node_id=node_id, incarnation=inc, join=request, join_id=1
+                )
             )
-            for k, (node_id, inc) in enumerate(self.ids)
-        ))  # fmt: skip
+        events = await asyncio.gather(*(session.joined for session in self.sessions))
         cpu = self.master.cpu() - cpu0
+        assert not any(e.HasField("error") for e in events), [e.error for e in events][:3]
+        joined = [e.answer for e in events]
         assert sorted(j.group_rank for j in joined) == list(range(self.n)), "bad world"
         self.round = joined[0].round
         return cpu / self.n * 1000
@@ -247,10 +266,39 @@ class Fleet:
         await self.settled()
         return (self.master.cpu() - cpu0) / max(1, beats) * 1000
 
-    async def lease_ack(self, pairs: int) -> float:
-        spec = shards_pb2.DatasetSpec(name="d", size=10**8, batch_size=32, shard_size=64, epochs=1)
+    async def dataset(self, name: str) -> None:
+        spec = shards_pb2.DatasetSpec(name=name, size=10**8, batch_size=32, shard_size=64, epochs=1)
         request = shards_pb2.RegisterDatasetRequest(spec=spec)
         await self.shards(0).RegisterDataset(request, metadata=self.meta)
+
+    async def lease_stream(self, pairs: int) -> float:
+        await self.dataset("s")
+        per_stream = max(1, pairs // IN_FLIGHT)
+
+        async def one(k: int) -> None:
+            call = self.shards(k).LeaseStream(metadata=self.meta)
+            consumer = shards_pb2.RankConsumer(node_id=self.ids[k % self.n][0], rank=0)
+            done: list[int] = []
+            for i in range(per_stream):
+                request = shards_pb2.LeaseRequest(
+                    dataset="s", rank=consumer, request_id=f"{k}-{i}", done=done
+                )
+                await call.write(request)
+                reply = await call.read()
+                assert reply.WhichOneof("outcome") == "shard", reply
+                done = [reply.shard.lease_id]
+            last = shards_pb2.ReportRequest(
+                dataset="s", lease_id=done[0], done=shards_pb2.ShardDone()
+            )
+            await self.shards(k).Report(last, metadata=self.meta)
+            await call.done_writing()
+
+        cpu0 = self.master.cpu()
+        await asyncio.gather(*(one(k) for k in range(IN_FLIGHT)))
+        return (self.master.cpu() - cpu0) / (per_stream * IN_FLIGHT) * 1000
+
+    async def lease_ack(self, pairs: int) -> float:
+        await self.dataset("d")
 
         async def one(k: int) -> None:
             stub = self.shards(k)
@@ -271,6 +319,7 @@ class Fleet:
         for session in self.sessions:
             session.outbox.put_nowait(None)
             session.call.cancel()
+            session.reader.cancel()
         for channel in self.channels:
             await channel.close()
 
@@ -287,7 +336,8 @@ async def measure(master: Master, args: argparse.Namespace) -> dict[str, float]:
             ("heartbeat", lambda: fleet.heartbeat(args.calls)),
             ("session beat", lambda: fleet.session_beats(args.calls)),
             ("paced beat", lambda: fleet.paced_beats(args.interval, args.paced)),
-            ("lease+ack", lambda: fleet.lease_ack(args.calls)),
+            ("lease stream", lambda: fleet.lease_stream(args.calls)),
+            ("lease+ack unary", lambda: fleet.lease_ack(args.calls)),
         ]
         for name, phase in phases:
             results[name] = await phase()
