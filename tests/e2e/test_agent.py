@@ -291,9 +291,14 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path) -> None:
     assert "--nnodes" in done.stderr
 
 
-def test_stock_torchrun_forms_its_world_through_the_master(
-    tmp_path: Path, master_process: Callable[..., MasterProcess]
-) -> None:
+def run_two_torchruns(
+    tmp_path: Path,
+    master_process: Callable[..., MasterProcess],
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> Workers:
+    """Two stock torchrun nodes of one process each, rendezvousing through a
+    master, running SCRIPT for 5 steps; both must exit 0."""
     master = master_process(
         f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2",
         "--last-call-timeout", "0.3",
@@ -302,19 +307,27 @@ def test_stock_torchrun_forms_its_world_through_the_master(
     out.mkdir()
     torchrun = Path(sys.executable).parent / "torchrun"
     argv = [
-        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1",
+        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", *flags,
         "--rdzv-backend", "dlfleet", "--rdzv-endpoint", master.address, "--rdzv-id", "job",
         "--monitor-interval", "0.1", str(SCRIPT), str(out), "5", "0.05",
     ]  # fmt: skip
-    env = {**os.environ, "DLFLEET_TOKEN": TOKEN}
+    environ = {**os.environ, "DLFLEET_TOKEN": TOKEN, **(env or {})}
     procs = [
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for _ in range(2)
     ]
     for proc in procs:
         code, log = finish(proc)
         assert code == 0, log
-    workers = Workers(out)
+    return Workers(out)
+
+
+def test_stock_torchrun_forms_its_world_through_the_master(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> None:
+    workers = run_two_torchruns(tmp_path, master_process)
     for rank in (0, 1):
         assert [s["sum"] for s in workers.steps("t0", rank)] == [2.0] * 5
 
@@ -326,27 +339,10 @@ def test_stock_torchrun_restarts_through_the_master_after_a_worker_fails(
     master's push makes the other torchrun restart too, and the second round
     (which the master forms itself, from the spare ports the handler offered)
     trains to the end."""
-    master = master_process(
-        f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2",
-        "--last-call-timeout", "0.3",
-    )  # fmt: skip
-    out = tmp_path / "out"
-    out.mkdir()
-    torchrun = Path(sys.executable).parent / "torchrun"
-    argv = [
-        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
-        "--rdzv-backend", "dlfleet", "--rdzv-endpoint", master.address, "--rdzv-id", "job",
-        "--monitor-interval", "0.1", str(SCRIPT), str(out), "5", "0.05",
-    ]  # fmt: skip
-    env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "FAIL_MODE": "once"}
-    procs = [
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    for proc in procs:
-        code, log = finish(proc)
-        assert code == 0, log
+    workers = run_two_torchruns(
+        tmp_path, master_process, "--max-restarts", "1", env={"FAIL_MODE": "once"}
+    )
     # The node that failed runs its second attempt (t1) as one of the two
     # ranks of a world of two, every step summing both ranks' ones.
-    second = [Workers(out).steps("t1", rank) for rank in (0, 1)]
+    second = [workers.steps("t1", rank) for rank in (0, 1)]
     assert [s["sum"] for s in second[0] + second[1]] == [2.0] * 5
