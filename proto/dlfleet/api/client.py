@@ -623,20 +623,20 @@ class _Handoff:
     caller woken then only wakes to wait again, for the GIL)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
         self._queue: list[_Handed[Any]] = []
         self._scheduled = False
         self._to_wake: list[threading.Lock] = []
 
     def submit(self, coro: Coroutine[Any, Any, Resp]) -> _Handed[Resp]:
-        handed = _Handed(self._loop, coro)
+        handed = _Handed(self, coro)
         with self._lock:
             self._queue.append(handed)
             if self._scheduled:
                 return handed
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._start)
+        self.loop.call_soon_threadsafe(self._start)
         return handed
 
     def _start(self) -> None:
@@ -644,12 +644,12 @@ class _Handoff:
             batch, self._queue = self._queue, []
             self._scheduled = False
         for handed in batch:
-            handed.start(self)
+            handed.start()
 
     def wake(self, ready: threading.Lock) -> None:
         """On the loop: release `ready` once this turn's callbacks have run."""
         if not self._to_wake:
-            self._loop.call_soon(self._wake_all)
+            self.loop.call_soon(self._wake_all)
         self._to_wake.append(ready)
 
     def _wake_all(self) -> None:
@@ -670,14 +670,13 @@ class _Handed(Generic[Resp]):
         "_given_up",
         "_handoff",
         "_lock",
-        "_loop",
         "_outcome",
         "_ready",
         "_task",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Resp]) -> None:
-        self._loop = loop
+    def __init__(self, handoff: _Handoff, coro: Coroutine[Any, Any, Resp]) -> None:
+        self._handoff = handoff
         self._coro: Coroutine[Any, Any, Resp] | None = coro
         self._lock = threading.Lock()  # guards _task, _given_up, _done
         self._ready = threading.Lock()
@@ -687,7 +686,7 @@ class _Handed(Generic[Resp]):
         self._done = False
         self._outcome: Resp | BaseException | None = None
 
-    def start(self, handoff: _Handoff) -> None:
+    def start(self) -> None:
         """On the loop: run the coroutine, unless its caller gave up already."""
         coro, self._coro = self._coro, None
         assert coro is not None, "started twice"
@@ -695,8 +694,7 @@ class _Handed(Generic[Resp]):
             if self._given_up:
                 coro.close()
                 return
-            task = self._task = self._loop.create_task(coro)
-        self._handoff = handoff
+            task = self._task = self._handoff.loop.create_task(coro)
         task.add_done_callback(self._finish)
 
     def _finish(self, task: asyncio.Task[Resp]) -> None:
@@ -723,7 +721,7 @@ class _Handed(Generic[Resp]):
             if not done:
                 if task is not None:
                     with contextlib.suppress(RuntimeError):  # the loop is closed
-                        self._loop.call_soon_threadsafe(task.cancel)
+                        self._handoff.loop.call_soon_threadsafe(task.cancel)
                 raise TimeoutError(f"no outcome within {timeout_s} s")
         outcome = self._outcome
         if isinstance(outcome, BaseException):
