@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dlfleet.api.addresses import split_host_port
 from dlfleet.api.diagnosis import default_table, restart_only_table
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.agent.config import (
@@ -20,7 +21,6 @@ from dlfleet.worker.agent.config import (
     StreamSpec,
     config_or_exit,
     parse_args,
-    split_host_port,
 )
 from dlfleet.worker.agent.watchdog import Bounds
 

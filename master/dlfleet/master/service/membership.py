@@ -207,6 +207,7 @@ class Membership:
     async def node_lost(self, node_id: str, reason: str) -> None:
         """A node died, left, or was replaced by a newer incarnation."""
         name = node_id.rpartition("#")[0]
+        self.state.seen_from.pop(node_id, None)
         record = self.state.nodes.nodes.get(name)
         if record is not None and record.node_id == node_id:
             self.metrics.node_lost(reason)

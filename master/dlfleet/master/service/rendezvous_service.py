@@ -14,9 +14,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dlfleet.api.addresses import peer_host
 from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
 from dlfleet.api.status import status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
+from dlfleet.master.core.reachability import Published, unreachable
 from dlfleet.master.core.rendezvous import RendezvousEvent, Round
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import failure_reason_label
@@ -66,6 +68,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         """Until `node_id` is a member of a formed round: its place in it."""
         self.state.nodes.live(node_id, incarnation)
         rdzv = self.state.rendezvous
+        await self._refuse_unreachable(node_id, request.host)
         events = rdzv.join(
             node_id,
             request.local_world_size,
@@ -77,6 +80,32 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         )
         await self.membership.apply(events)
         return await self._round_of(node_id)
+
+    async def _refuse_unreachable(self, node_id: str, host: str) -> None:
+        """A loopback address published while the job's nodes are on several
+        machines (`core.reachability`): the joiner is refused, and so are the
+        nodes waiting with one, so that no such round forms."""
+        rdzv, seen = self.state.rendezvous, self.state.seen_from
+        nodes = {
+            p.node_id: Published(p.host, seen.get(p.node_id, ""))
+            for p in rdzv.state.waiting.values()
+        }
+        if rdzv.state.active is not None:
+            nodes.update(
+                (m.node_id, Published(m.host, seen.get(m.node_id, "")))
+                for m in rdzv.state.active.members
+            )
+        nodes[node_id] = Published(host, seen.get(node_id, ""))
+        refused = unreachable(nodes)
+        events: list[RendezvousEvent] = []
+        for other, why in refused.items():
+            if other != node_id and other in rdzv.state.waiting:
+                _log.error("%s", why)
+                events += rdzv.remove(other, why, self.clock(), close_round=False)
+        await self.membership.apply(events)
+        if node_id in refused:
+            _log.error("%s", refused[node_id])
+            raise InvalidArgument(refused[node_id])
 
     async def _round_of(self, node_id: str) -> rendezvous_pb2.JoinResponse:
         """Until the waiting `node_id` is a member of a formed round."""
@@ -105,6 +134,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             self.state.nodes.live(node_id, incarnation)
         except DlfleetError as error:
             await context.abort(status_of(error), str(error))
+        seen = peer_host(context.peer())
+        if seen:
+            self.state.seen_from[node_id] = seen
         # None: the agent's side of the stream ended.
         queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None] = asyncio.Queue()
         self.membership.sessions[node_id] = queue

@@ -27,6 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dlfleet.api.addresses import peer_host
 from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
 from dlfleet.api.status_document import status_document
@@ -226,6 +227,9 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             request.node_name, request.local_world_size, request.host, self.clock()
         )
         await self.durable.wait(self.state.persist_node(record))
+        seen = peer_host(context.peer()) or ""
+        if seen:
+            self.state.seen_from[record.node_id] = seen
         self.membership.timeline.record(
             EventKind.NODE_REGISTERED,
             self.clock(),
@@ -242,6 +246,7 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             heartbeat_interval_ms=liveness.heartbeat_interval_ms,
             heartbeat_timeout_ms=liveness.heartbeat_timeout_ms,
             restarts_in_place=self.state.restarts_in_place,
+            observed_host=seen,
         )
 
     @rpc

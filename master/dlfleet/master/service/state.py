@@ -79,6 +79,9 @@ class MasterState:
         # nodes as they register, so they start their workers warm. Not
         # journaled: after a master restart the next heartbeat says it again.
         self.restarts_in_place = False
+        # node id -> the IP its connection came from (Register, Session):
+        # which machine it is on. Not journaled: each session tells it again.
+        self.seen_from: dict[str, str] = {}
         # The pre-flight node check: in memory only, a fresh board (and id) per
         # master process; nodes mid-check when the master restarts start over.
         self.node_checks = NodeCheckBoard(settings.node_check, check_id=secrets.token_hex(6))

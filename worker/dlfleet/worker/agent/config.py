@@ -41,6 +41,7 @@ from typing import NoReturn, TextIO
 
 import yaml
 
+from dlfleet.api.addresses import split_host_port
 from dlfleet.api.diagnosis import (
     RuleError,
     RuleTable,
@@ -49,6 +50,7 @@ from dlfleet.api.diagnosis import (
     restart_only_table,
 )
 from dlfleet.api.errors import InvalidArgument
+from dlfleet.worker.address import LOCAL_ADDR_ENVS
 from dlfleet.worker.agent.watchdog import DEFAULT_FLOOR_S, Bounds
 
 MASTER_ENV = "DLFLEET_MASTER"
@@ -149,23 +151,6 @@ class HostProbe:
     accelerator_count: Callable[[], int] = _accelerator_count
 
 
-def split_host_port(text: str) -> tuple[str, int]:
-    """`"host:port"` or `"[v6addr]:port"` -> (host, port); ValueError otherwise."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, port_text = text[1:].partition("]:")
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if ":" in host:
-            raise ValueError(f"{text!r}: write an IPv6 address as [ADDR]:PORT")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} is not in 1..65535")
-    return host, port
-
-
 @dataclass(frozen=True)
 class AgentConfig:
     """Everything one `dlworker` needs to know before it talks to the master."""
@@ -188,6 +173,9 @@ class AgentConfig:
     tee: StreamSpec = StreamSpec()
     job_name: str = "job"
     node_name: str = "localhost"
+    # The address this node publishes (store, keeper, collectives); None:
+    # chosen from the route to the master (dlfleet.worker.address).
+    local_addr: str | None = None
     step_timeout_s: float = 0.0  # 0: no watchdog
     # A learned watchdog bound under step_timeout_s (dlfleet.worker.agent.watchdog):
     # factor x a rank's longest gap between step reports, at least the floor.
@@ -349,6 +337,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("-t", "--tee", help="streams to copy into log files: like --redirects (env PET_TEE)")
     add("--master", help=f"the dlfleet master, HOST:PORT (env {MASTER_ENV})")
+    add(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        help=(
+            "the address the other nodes reach this node at (default: the source address of "
+            "this host's route to the master; env PET_LOCAL_ADDR or DLFLEET_NODE_HOST)"
+        ),
+    )
     add("--token-file", dest="token_file", help=f"file holding the job token (or ${TOKEN_ENV})")
     add("--job-name", dest="job_name", help=f"the job to join (default 'job'; env {JOB_ENV})")
     add(
@@ -594,6 +591,7 @@ def parse_args(
         raise ConfigError(master.source, str(exc)) from None
     job = src.get("job_name", "--job-name", JOB_ENV)
     node = src.get("node_name", "--node-name", NODE_NAME_ENV)
+    local_addr = src.get("local_addr", "--local-addr", *LOCAL_ADDR_ENVS)
     step_timeout = src.get("step_timeout", "--step-timeout", STEP_TIMEOUT_ENV)
     step_factor = src.get("step_timeout_factor", "--step-timeout-factor", STEP_TIMEOUT_FACTOR_ENV)
     step_min = src.get("step_timeout_min", "--step-timeout-min", STEP_TIMEOUT_MIN_ENV)
@@ -623,6 +621,7 @@ def parse_args(
         tee=_streams(src.get("tee", "--tee", "PET_TEE"), nproc),
         job_name=job.text if job else "job",
         node_name=node.text if node else probe.hostname(),
+        local_addr=local_addr.text.strip().strip("[]") if local_addr else None,
         step_timeout_s=_seconds(step_timeout) if step_timeout else 0.0,
         step_timeout_factor=_number(step_factor) if step_factor else 0.0,
         step_timeout_min_s=_seconds(step_min) if step_min else None,

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from dlfleet.api.addresses import with_port
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.agent.orders import WorkerOrders
@@ -120,10 +121,18 @@ _DENIED: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(_
 
 
 class AgentServer:
-    """Serves `service` on `unix:<socket>` and on `<host>:0` (TCP)."""
+    """Serves `service` on `unix:<socket>` and on `<host>:0` (TCP); the other
+    nodes dial `published` (the node's address: `host` unless NATed)."""
 
     def __init__(
-        self, service: KeeperService, *, token: str, socket_path: Path, host: str, threads: int
+        self,
+        service: KeeperService,
+        *,
+        token: str,
+        socket_path: Path,
+        host: str,
+        threads: int,
+        published: str | None = None,
     ) -> None:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="keeper"),
@@ -139,8 +148,8 @@ class AgentServer:
         socket_path.unlink(missing_ok=True)
         self.local_address = f"unix:{socket_path}"
         self._server.add_insecure_port(self.local_address)
-        port = self._server.add_insecure_port(f"{host}:0")
-        self.peer_address = f"{host}:{port}"
+        port = self._server.add_insecure_port(with_port(host or "0.0.0.0", 0))
+        self.peer_address = with_port(published or host, port)
         self._socket_path = socket_path
 
     def start(self) -> None:

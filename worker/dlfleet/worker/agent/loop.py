@@ -57,6 +57,7 @@ from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy, join_req
 from dlfleet.api.diagnosis import Action, FailureFacts, Verdict, diagnose
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
+from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.keeper import CHECKPOINT_DIR_ENV, ImageKeeper
@@ -185,7 +186,8 @@ def free_ports(host: str, count: int) -> list[int]:
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, 0))
             ports.append(int(sock.getsockname()[1]))
@@ -193,9 +195,15 @@ def free_ports(host: str, count: int) -> list[int]:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: AgentConfig, *, host: str | None = None) -> None:
+        """`host`: the address to publish; None (a real node) chooses it from
+        --local-addr or the route to the master (`dlfleet.worker.address`)."""
         self.config = config
-        self.host = host
+        self.host = host or ""
+        self.bind_host = host or ""
+        self._given_host = host
+        # GLOO/NCCL/TP_SOCKET_IFNAME for the workers, where the user set none.
+        self.interface_env: dict[str, str] = {}
         budget = float(os.environ.get(CONNECT_BUDGET_ENV, "60"))
         self.client = MasterClient(
             config.master,
@@ -234,14 +242,21 @@ class Agent:
         lost to the job (3), diagnosed faulty (4) or out of memory (5), fails
         its node check (6), or the agent is preempted (143)."""
         try:
+            if self._given_host is None:
+                self._choose_address(None)
             registered = self.client.register_node(
                 job_name=self.config.job_name,
                 node_name=self.config.node_name,
                 local_world_size=self.config.nproc_per_node,
                 host=self.host,
             )
+            if self._given_host is None:
+                self._choose_address(registered.observed_host or None)
         except DlfleetError as error:
             _log.error("cannot register with the master at %s: %s", self.config.master, error)
+            return EXIT_NODE_LOST
+        except (LookupError, OSError) as error:
+            _log.error("%s", error)
             return EXIT_NODE_LOST
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
@@ -280,6 +295,29 @@ class Agent:
         if isinstance(phase, Preempted):
             return EXIT_PREEMPTED
         return 0
+
+    def _choose_address(self, master_saw: str | None) -> None:
+        """This node's address, before registering (from the route to the
+        master) and again with what the master saw; logged once, final."""
+        choice = observe_and_choose(
+            self.config.local_addr, os.environ, self.config.master, master_saw
+        )
+        if choice.bind:  # a local address: fail here, not in the workers
+            free_ports(choice.bind, 1)
+        self.host, self.bind_host = choice.address, choice.bind
+        self.interface_env = interface_environment(choice, os.environ)
+        if master_saw is None:
+            return
+        for warning in choice.warnings:
+            _log.warning("%s", warning)
+        set_for_workers = " ".join(f"{k}={v}" for k, v in self.interface_env.items())
+        _log.info(
+            "this node's address: %s (%s; interface %s)%s",
+            choice.address,
+            choice.reason,
+            choice.interface or "none",
+            f"; the workers get {set_for_workers}" if set_for_workers else "",
+        )
 
     def step(self, phase: Phase) -> Phase:
         if self.preempted.is_set():
@@ -363,7 +401,8 @@ class Agent:
             service,
             token=self.config.token,
             socket_path=socket_path,
-            host=self.host,
+            host=self.bind_host,
+            published=self.host,
             threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
         )
         keeper = ImageKeeper.create(
@@ -387,7 +426,7 @@ class Agent:
             # nodes the master forms a round with a message per node.
             # The spare port lets the master join this node into the next
             # round itself when this one closes (the push then says so).
-            port, spare = free_ports(self.host, 2)
+            port, spare = free_ports(self.bind_host, 2)
             joined = self.session.join(
                 join_request(
                     self.node_id,
@@ -465,6 +504,7 @@ class Agent:
                 TOKEN_ENV: self.config.token,
                 AGENT_ENV: self.server.local_address,
                 CHECKPOINT_DIR_ENV: str(self.keeper.own_dir) if self.keeper else "",
+                **self.interface_env,
             },
         )
         for local_rank, env in enumerate(envs):
@@ -827,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = config_or_exit(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dlworker %(levelname)s %(message)s")
-    agent = Agent(config, host=os.environ.get("DLFLEET_NODE_HOST", "127.0.0.1"))
+    agent = Agent(config)
 
     def preempt(signum: int, frame: object) -> None:
         agent.preempted.set()

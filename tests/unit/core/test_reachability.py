@@ -1,0 +1,53 @@
+"""No round publishes a loopback address to nodes on other machines."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dlfleet.master.core.reachability import Published, unreachable
+
+
+def test_two_machines_publishing_loopback_are_both_refused_naming_the_flag() -> None:
+    refused = unreachable(
+        {"a#1": Published("127.0.0.1", "10.0.0.2"), "b#1": Published("127.0.0.1", "10.0.0.3")}
+    )
+    assert set(refused) == {"a#1", "b#1"}
+    assert "--local-addr" in refused["a#1"] and "10.0.0.3" in refused["a#1"]
+
+
+def test_nodes_on_one_machine_may_use_its_loopback() -> None:
+    assert not unreachable(
+        {"a#1": Published("127.0.0.1", "127.0.0.1"), "b#1": Published("127.0.0.1", "127.0.0.1")}
+    )
+
+
+def test_only_the_loopback_publisher_is_refused_beside_a_reachable_node() -> None:
+    refused = unreachable(
+        {"m#1": Published("127.0.0.1", "127.0.0.1"), "a#1": Published("10.0.0.2", "10.0.0.2")}
+    )
+    assert set(refused) == {"m#1"}
+
+
+def test_a_node_not_seen_yet_counts_as_no_machine() -> None:
+    assert not unreachable(
+        {"a#1": Published("127.0.0.1", ""), "b#1": Published("10.0.0.3", "10.0.0.3")}
+    )
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]),
+        st.tuples(
+            st.sampled_from(["127.0.0.1", "::1", "10.0.0.2", "10.0.0.3"]),
+            st.sampled_from(["", "127.0.0.1", "10.0.0.2", "10.0.0.3"]),
+        ),
+    )
+)
+def test_refused_exactly_the_loopback_publishers_of_a_multi_machine_job(
+    nodes: dict[str, tuple[str, str]],
+) -> None:
+    refused = unreachable({n: Published(h, s) for n, (h, s) in nodes.items()})
+    machines = {s for _, s in nodes.values() if s}
+    expected = {n for n, (h, _) in nodes.items() if h in ("127.0.0.1", "::1")}
+    assert set(refused) == (expected if len(machines) > 1 else set())
