@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.errors import DlfleetError, Unavailable
+from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.loop import free_ports
 
 _log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         if not token:
             raise RendezvousError("dlfleet rendezvous needs the job token: $DLFLEET_TOKEN")
         self._params = params
-        self._host = params.local_addr or "127.0.0.1"
+        self._host = ""  # chosen at registration, as dlworker's (`dlfleet.worker.address`)
+        self._bind = ""
         self._client = MasterClient(params.endpoint, token=token)
         self._job = str(params.config.get("job_name", "job"))
         self._name = f"{socket.gethostname()}-{os.getpid()}"
@@ -83,7 +85,7 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             # The spare port lets the master join this node into the next
             # round itself when this one closes, as it does the agent's: the
             # next round forms while torchrun restarts its workers.
-            port, spare = free_ports(self._host, 2)
+            port, spare = free_ports(self._bind, 2)
             joined = self._session.join(
                 join_request(
                     self._node_id, self._incarnation, 1, self._host, port,
@@ -112,12 +114,41 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, joined.group_rank, joined.group_world_size, bootstrap)
 
     def _register(self) -> None:
-        registered = self._client.register_node(
-            job_name=self._job, node_name=self._name, local_world_size=1, host=self._host
-        )
+        try:
+            self._choose_address(None)
+            registered = self._client.register_node(
+                job_name=self._job, node_name=self._name, local_world_size=1, host=self._host
+            )
+            self._choose_address(registered.observed_host or None)
+        except (LookupError, OSError, ValueError) as error:
+            raise RendezvousError(str(error)) from error
         self._node_id, self._incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self._session = self._client.agent_session(self._node_id, self._incarnation, interval)
+
+    def _choose_address(self, master_saw: str | None) -> None:
+        """The node's address, as dlworker chooses it (torchrun's --local-addr
+        wins); the workers, started by torchrun from this process's
+        environment, get the interface's GLOO/NCCL/TP_SOCKET_IFNAME where
+        the user set none."""
+        choice = observe_and_choose(
+            self._params.local_addr, os.environ, self._params.endpoint, master_saw
+        )
+        if choice.bind:
+            free_ports(choice.bind, 1)  # a local address: fail here, not in the workers
+        self._host, self._bind = choice.address, choice.bind
+        if master_saw is None:
+            return
+        for warning in choice.warnings:
+            _log.warning("%s", warning)
+        interface_env = interface_environment(choice, os.environ)
+        os.environ.update(interface_env)
+        _log.info(
+            "this node's address: %s (%s; interface %s)%s", choice.address, choice.reason,
+            choice.interface or "none",
+            "; the workers get " + " ".join(f"{k}={v}" for k, v in interface_env.items())
+            if interface_env else "",
+        )  # fmt: skip
 
     def is_closed(self) -> bool:
         return self._closed
