@@ -34,7 +34,10 @@ and at `close()`, a background thread writes the image into `persist_dir/step-<N
 torch.distributed.checkpoint format (readable by `dcp.load`). While a step is
 being persisted its image is the protected one. On SIGTERM (a preemption:
 the agent stops its workers so, then SIGKILLs them after a grace period) the
-newest image is persisted first, if it is not on disk yet.
+newest image is persisted first, if it is not on disk yet. Every host must
+see the same `persist_dir` (a shared file system): at a round's first load or
+save, a round of several nodes checks that it does (location.py) and every
+rank fails at once, naming the hosts that do not see it.
 
 Without a dlworker agent (plain torchrun) the images live in a private
 folder of this process and nothing is committed: `load` reads only what was
@@ -48,6 +51,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -63,7 +67,7 @@ from dlfleet.api.errors import DlfleetError
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker import elastic
-from dlfleet.worker.checkpoint import files, persist
+from dlfleet.worker.checkpoint import files, location, persist
 from dlfleet.worker.checkpoint.errors import CheckpointError, PersistTimeoutError
 from dlfleet.worker.checkpoint.image import (
     BytesImage,
@@ -75,6 +79,7 @@ from dlfleet.worker.checkpoint.image import (
 )
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
+from dlfleet.worker.loader.environment import NODE_ID_ENV
 
 _log = logging.getLogger("dlfleet.checkpoint")
 
@@ -141,6 +146,7 @@ class Checkpointer:
         self._announced = -1  # the newest step the agent answered for
         self._round = int(os.environ.get("DLFLEET_ROUND", "0") or 0)  # of the lineage
         self._last_saved = -1
+        self._location_round: int | None = None  # the round whose location check passed
         self._persisting: int | None = None
         self._last_image: ImageFile | None = None
         self._notices: queue.Queue[ImageFile | None] = queue.Queue()
@@ -164,6 +170,7 @@ class Checkpointer:
         elastic.check()
         started = time.perf_counter()
         rank, world, round_ = _context()
+        self._check_location(round_)
         if round_ != self._round:  # a new round that did not load(): its answers count
             with self._acked:
                 self._round = round_
@@ -377,6 +384,18 @@ class Checkpointer:
             return
         raise SystemExit(128 + signum)
 
+    def _check_location(self, round_: int) -> None:
+        """Once per round, at its first load or save (a node that joins later is
+        checked in its first round): fail on every rank now if some host cannot
+        see the persist location, rather than persist steps that can never be
+        whole there. Nothing to check when nothing is persisted, in a world of
+        one process or of one node (its ranks share its file system)."""
+        if not self.persist_every or self._location_round == round_ or _group_size() < 2:
+            return
+        if _node_count() != 1:
+            location.check_shared(self.persist_dir, node=_node_name())
+        self._location_round = round_
+
     def _persisted(self, step: int) -> bool:
         return (persist.step_folder(self.persist_dir, step) / persist.METADATA).exists()
 
@@ -389,6 +408,7 @@ class Checkpointer:
         torch.distributed.checkpoint.state_dict's get_state_dict for sharded
         models), it is loaded in place and returned; without, the saved
         nested state dict is rebuilt (replicated state only)."""
+        self._check_location(_context()[2])
         restored = self._load(state)
         # The lineage goes on from the restored step: saves of later steps
         # by the round that failed are history, whatever was committed then.
@@ -557,6 +577,30 @@ def _local_context() -> tuple[int, int]:
     if attempt is not None:
         return attempt.local_rank, attempt.local_world_size
     return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _node_count() -> int | None:
+    """How many nodes the round has, None when nothing says (a process group
+    initialised by hand, without torchrun or dlworker)."""
+    attempt = elastic.current()
+    if attempt is not None and attempt.in_process:
+        return attempt.group_world_size
+    value = os.environ.get("GROUP_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def _node_name() -> str:
+    """This process's node, as an error names it: the agent's node id or the
+    node's group rank, and the host."""
+    attempt = elastic.current()
+    group_rank = (
+        str(attempt.group_rank)
+        if attempt is not None and attempt.in_process
+        else os.environ.get("GROUP_RANK")
+    )
+    node = os.environ.get(NODE_ID_ENV) or (f"node {group_rank}" if group_rank else "")
+    host = socket.gethostname()
+    return f"{node} on host {host}" if node else f"host {host}"
 
 
 def _restore(

@@ -36,3 +36,8 @@ class PersistError(CheckpointError):
 
 class PersistTimeoutError(PersistError):
     """The finishing rank waited too long for the parts of the other ranks."""
+
+
+class UnsharedLocationError(PersistError):
+    """Some host cannot see what rank 0 writes into the persist location: a
+    folder persisted there could never be whole (see location.py)."""
