@@ -1,9 +1,10 @@
-"""A private network of test hosts in Linux network namespaces, with a link
+"""A private network of test machines in Linux namespaces, with a link
 emulator that can cut a host off or slow its link down (what `tc netem loss`
 and `tc netem delay` would do, for kernels built without sch_netem).
 
     lab = NetLab({"m": "10.231.0.1", "a": "10.231.0.2"}).start()
     proc = lab.popen("a", ["/abs/path/to/program", ...])   # runs inside host a
+    lab.shared            # a folder every host sees: stands for a network file system
     lab.cut("a")          # every packet from or to a is dropped: no RST, no FIN
     lab.delay("a", 1.2)   # every packet from or to a is held 1.2 s
     lab.heal("a")         # a's link is clean again
@@ -20,6 +21,18 @@ none of it, and the TUN devices vanish with the wire.
 
 A TUN device gets whole, checksummed packets (no offloads), so the wire needs
 no `ethtool`, no bridge and no qdisc module: only `ip`, /dev/net/tun, and root.
+
+A node is a machine: each host also has a hostname of its own (`host<name>`,
+a UTS namespace), an /etc/hosts naming every host (`ip netns exec` lays
+/etc/netns/<ns>/hosts over /etc/hosts), and a mount namespace with a /tmp
+and a /dev/shm of its own (tmpfs), held by one process per host that every
+process of the host enters. Nothing else is shared but `shared`, under
+/var/tmp (outside every host's /tmp), and the paths the hosts' programs run
+from (this repository and the interpreter stay visible even under a /tmp).
+Variants of real machines: `debian_hosts` resolve their own hostname to
+127.0.1.1 (Debian's default /etc/hosts); `second_net` gives a host a second
+interface, `veth1`, on a network no other host reaches, and resolves its
+hostname to that address there.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import ctypes
 import fcntl
 import heapq
 import os
+import re
 import secrets
 import select
 import shutil
@@ -36,9 +50,11 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 NETNS_DIR = "/var/run/netns"
@@ -49,6 +65,10 @@ TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 MAX_PACKET = 65_536
+ETC_NETNS = Path("/etc/netns")
+# Paths a host's programs need even where they lie under the root /tmp (a
+# clone of the repository there, its virtual environment).
+KEEP = (Path(__file__).resolve().parents[1], Path(sys.prefix), Path(sys.base_prefix))
 
 
 def netns_unavailable() -> str | None:
@@ -79,10 +99,14 @@ class NetLab:
     """Hosts by name -> IPv4 address (all in one /24)."""
 
     hosts: dict[str, str]
+    debian_hosts: frozenset[str] = frozenset()
+    second_net: dict[str, str] = field(default_factory=dict)  # host -> its /24 address there
+    shm_size: str = "256m"
     tag: str = field(default_factory=lambda: f"dlf{os.getpid()}{secrets.token_hex(2)}")
     namespaces: list[str] = field(default_factory=list)
     wire: subprocess.Popen[str] | None = None
     started: list[subprocess.Popen[str]] = field(default_factory=list)
+    holders: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
 
     def ns(self, host: str) -> str:
         return f"{self.tag}-{host}"
@@ -90,15 +114,46 @@ class NetLab:
     def address(self, host: str) -> str:
         return self.hosts[host]
 
+    def hostname(self, host: str) -> str:
+        return f"host{host}"
+
+    @property
+    def root(self) -> Path:
+        return Path("/var/tmp") / self.tag
+
+    @property
+    def shared(self) -> Path:
+        """Seen by every host at the same path: a network file system."""
+        return self.root / "shared"
+
+    def etc_hosts(self, host: str) -> str:
+        """`host`'s /etc/hosts: every host by name, its own as configured."""
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        for other, address in self.hosts.items():
+            if other != host:
+                lines.append(f"{address}\t{self.hostname(other)}")
+            elif host in self.debian_hosts:
+                lines.append(f"127.0.1.1\t{self.hostname(host)}")
+            elif host in self.second_net:
+                lines.append(f"{self.second_net[host]}\t{self.hostname(host)}")
+            else:
+                lines.append(f"{address}\t{self.hostname(host)}")
+        return "\n".join(lines) + "\n"
+
     # ---------------------------------------------------------------- life
 
     def start(self, timeout_s: float = 20) -> NetLab:
         """Create the namespaces and the wire; on any failure, undo it all."""
         try:
+            self.shared.mkdir(parents=True)
             for host in self.hosts:
                 _ip("netns", "add", self.ns(host))
                 self.namespaces.append(self.ns(host))
                 _ip("-n", self.ns(host), "link", "set", "lo", "up")
+                etc = ETC_NETNS / self.ns(host)
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(self.etc_hosts(host))
+                (etc / "hostname").write_text(self.hostname(host) + "\n")
             ends = [f"{self.ns(h)}={a}" for h, a in self.hosts.items()]
             self.wire = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "wire", *ends],
@@ -111,15 +166,65 @@ class NetLab:
                 ns = self.ns(host)
                 _ip("-n", ns, "addr", "add", f"{address}/{PREFIX_LEN}", "dev", TUN_NAME)
                 _ip("-n", ns, "link", "set", TUN_NAME, "up")
+                if host in self.second_net:
+                    # A link to nowhere: both ends in the host.
+                    _ip("-n", ns, "link", "add", "veth1", "type", "veth", "peer", "name", "veth2")
+                    _ip("-n", ns, "addr", "add", f"{self.second_net[host]}/24", "dev", "veth1")
+                    _ip("-n", ns, "link", "set", "veth1", "up")
+                    _ip("-n", ns, "link", "set", "veth2", "up")
+            for host in self.hosts:
+                self._start_holder(host, timeout_s)
         except BaseException:
             self.close()
             raise
         return self
 
+    def _start_holder(self, host: str, timeout_s: float) -> None:
+        """The process that holds `host`'s hostname and mounts: its own /tmp
+        (with KEEP bound back in where it lies under /tmp) and /dev/shm."""
+        staging = self.root / f"tmp-{host}"
+        staging.mkdir()
+        keep = sorted({str(p) for p in KEEP if p.is_relative_to("/tmp") and p.exists()})
+        binds = "".join(
+            f'mkdir -p "{staging}/{Path(p).relative_to("/tmp")}"; '
+            f'mount --bind "{p}" "{staging}/{Path(p).relative_to("/tmp")}"; '
+            for p in keep
+        )
+        script = (
+            "set -e; "
+            f"hostname {self.hostname(host)}; "
+            f'mount -t tmpfs -o size=2g,mode=1777 tmpfs "{staging}"; '
+            f"{binds}"
+            f'mount --move "{staging}" /tmp; '
+            f"mount -t tmpfs -o size={self.shm_size},mode=1777 tmpfs /dev/shm; "
+            "echo ready; exec sleep infinity"
+        )
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(host), "unshare", "--mount", "--uts",
+             "--propagation", "private", "sh", "-c", script],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        self.holders[host] = holder
+        assert holder.stdout is not None
+        line = _readline_within(holder.stdout, timeout_s)
+        if line.strip() != "ready":
+            raise RuntimeError(f"host {host} did not start: {line}{holder.stdout.read()}")
+
     def close(self) -> None:
         """Kill every process in the hosts, stop the wire, delete the namespaces.
         Safe to call twice, and after a partial start."""
         self.kill_processes()
+        for holder in self.holders.values():
+            if holder.poll() is None:
+                holder.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                holder.wait(10)
+            if holder.stdout is not None:
+                holder.stdout.close()
+        self.holders.clear()
         if self.wire is not None and self.wire.poll() is None:
             self.wire.kill()
             self.wire.wait(10)
@@ -129,7 +234,9 @@ class NetLab:
                     stream.close()
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
         self.namespaces.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def kill_processes(self, timeout_s: float = 10) -> None:
         """SIGKILL what was started in the hosts and whatever it left behind
@@ -138,8 +245,9 @@ class NetLab:
             if proc.poll() is None:
                 proc.kill()
         deadline = time.monotonic() + timeout_s
+        held = {holder.pid for holder in self.holders.values()}
         while time.monotonic() < deadline:
-            pids = [pid for ns in self.namespaces for pid in self._pids(ns)]
+            pids = [pid for ns in self.namespaces for pid in self._pids(ns) if pid not in held]
             if not pids:
                 break
             for pid in pids:
@@ -158,16 +266,34 @@ class NetLab:
 
     # ----------------------------------------------------------- processes
 
-    def argv(self, host: str, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.ns(host), *argv]
+    def argv(self, host: str, argv: Sequence[str], cwd: str = "/tmp") -> list[str]:
+        """`argv` run in `host`: its network, hostname and mounts, in `cwd`
+        (a path of the host's: its own /tmp by default)."""
+        holder = self.holders.get(host)
+        if holder is None:
+            return ["ip", "netns", "exec", self.ns(host), *argv]
+        return ["nsenter", "-t", str(holder.pid), "-n", "-m", "-u", f"--wd={cwd}", "--", *argv]
+
+    def kill_host(self, host: str) -> None:
+        """SIGKILL every process of `host` (a machine lost), its mounts kept."""
+        held = self.holders[host].pid if host in self.holders else -1
+        for _ in range(100):
+            pids = [pid for pid in self._pids(self.ns(host)) if pid != held]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        raise RuntimeError(f"processes of host {host} outlived SIGKILL")
 
     def popen(
-        self, host: str, argv: Sequence[str], env: dict[str, str] | None = None
+        self, host: str, argv: Sequence[str], env: dict[str, str] | None = None, cwd: str = "/tmp"
     ) -> subprocess.Popen[str]:
         """Start `argv` (absolute program path) in `host`, stdout and stderr
-        together on one pipe. `ip netns exec` execs it: the pid is the program's."""
+        together on one pipe. `nsenter` execs it: the pid is the program's."""
         proc = subprocess.Popen(
-            self.argv(host, argv),
+            self.argv(host, argv, cwd),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -215,6 +341,77 @@ class NetLab:
         line = _readline_within(self.wire.stdout, timeout_s)
         if line.strip() != wanted:
             raise RuntimeError(f"the wire said {line!r}, not {wanted!r} (exit {self.wire.poll()})")
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment a user's shell has on a machine (the interpreter's
+    folder first on PATH, where dlmaster and dlworker are), plus `extra`:
+    nothing a user would not set."""
+    path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    return {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", **extra}
+
+
+# ------------------------------------------------------- what hosts print
+
+
+class Output:
+    """A process's merged stdout/stderr, line by line, each line stamped with
+    the monotonic time it was read (so the test can time log events)."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[str]) -> None:
+        self.name = name
+        self.proc = proc
+        self._lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self._lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def lines(self, since: float = 0.0) -> list[tuple[float, str]]:
+        with self._lock:
+            return [(t, line) for t, line in self._lines if t >= since]
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines())
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(line for _, line in self.lines()[-n:])
+
+    def matches(self, pattern: str, since: float = 0.0) -> list[tuple[float, re.Match[str]]]:
+        found = []
+        for t, line in self.lines(since):
+            match = re.search(pattern, line)
+            if match:
+                found.append((t, match))
+        return found
+
+    def wait_for(
+        self, pattern: str, *, timeout: float, since: float = 0.0
+    ) -> tuple[float, re.Match[str]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.matches(pattern, since)
+            if found:
+                return found[0]
+            if time.monotonic() > deadline or not self._reader.is_alive():
+                raise AssertionError(
+                    f"{self.name}: no line matching {pattern!r} within {timeout}s "
+                    f"(exit {self.proc.poll()}); last lines:\n{self.tail()}"
+                )
+            time.sleep(0.02)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} still runs after {timeout}s; last lines:\n{self.tail()}"
+            ) from None
 
 
 def _readline_within(stream: IO[str], timeout_s: float) -> str:

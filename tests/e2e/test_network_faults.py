@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import subprocess
+import secrets
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NetLab, netns_unavailable
+from netns import NetLab, Output, netns_unavailable, user_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -129,66 +127,6 @@ print(json.dumps(results))
 """
 
 
-class Output:
-    """A process's merged stdout/stderr, line by line, each line stamped with
-    the monotonic time it was read (so the test can time log events)."""
-
-    def __init__(self, name: str, proc: subprocess.Popen[str]) -> None:
-        self.name = name
-        self.proc = proc
-        self._lines: list[tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._lock:
-                self._lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def lines(self, since: float = 0.0) -> list[tuple[float, str]]:
-        with self._lock:
-            return [(t, line) for t, line in self._lines if t >= since]
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines())
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(line for _, line in self.lines()[-n:])
-
-    def matches(self, pattern: str, since: float = 0.0) -> list[tuple[float, re.Match[str]]]:
-        found = []
-        for t, line in self.lines(since):
-            match = re.search(pattern, line)
-            if match:
-                found.append((t, match))
-        return found
-
-    def wait_for(
-        self, pattern: str, *, timeout: float, since: float = 0.0
-    ) -> tuple[float, re.Match[str]]:
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.matches(pattern, since)
-            if found:
-                return found[0]
-            if time.monotonic() > deadline or not self._reader.is_alive():
-                raise AssertionError(
-                    f"{self.name}: no line matching {pattern!r} within {timeout}s "
-                    f"(exit {self.proc.poll()}); last lines:\n{self.tail()}"
-                )
-            time.sleep(0.02)
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{self.name} still runs after {timeout}s; last lines:\n{self.tail()}"
-            ) from None
-
-
 @dataclass(frozen=True)
 class Formed:
     at: float  # monotonic time the master logged it
@@ -214,7 +152,7 @@ class Fleet:
         return f"{HOSTS['m']}:{self.port}"
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, "DLFLEET_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **extra}
+        return user_env(DLFLEET_TOKEN=TOKEN, PYTHONUNBUFFERED="1", **extra)
 
     def agent(self, host: str, **extra_env: str) -> Output:
         argv = [
@@ -224,7 +162,7 @@ class Fleet:
             "--log-dir", str(self.root / "logs" / host),
             str(self.root / "worker.py"), str(self.out), "0.1",
         ]  # fmt: skip
-        env = self.env(DLFLEET_NODE_HOST=HOSTS[host], GLOO_SOCKET_IFNAME="tun0", **extra_env)
+        env = self.env(**extra_env)
         return Output(f"agent {host}", self.lab.popen(host, argv, env))
 
     def formed(self, since: float = 0.0) -> list[Formed]:
@@ -287,9 +225,12 @@ def lab() -> Iterator[NetLab]:
 
 
 @pytest.fixture
-def fleet(lab: NetLab, tmp_path: Path) -> Iterator[Callable[[], Fleet]]:
+def fleet(lab: NetLab) -> Iterator[Callable[[], Fleet]]:
+    # The hosts' /tmp are their own: the test's folder is on the lab's share.
+    tmp_path = lab.shared / secrets.token_hex(4)
+
     def start() -> Fleet:
-        (tmp_path / "out").mkdir()
+        (tmp_path / "out").mkdir(parents=True)
         (tmp_path / "worker.py").write_text(WORKER)
         (tmp_path / "probe.py").write_text(PROBE)
         argv = [
@@ -299,8 +240,7 @@ def fleet(lab: NetLab, tmp_path: Path) -> Iterator[Callable[[], Fleet]]:
             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
             "--min-nodes", "1", "--max-nodes", "2", "--last-call-timeout", "0.3",
         ]  # fmt: skip
-        env = {**os.environ, "DLFLEET_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
-        master = Output("dlmaster", lab.popen("m", argv, env))
+        master = Output("dlmaster", lab.popen("m", argv, user_env(DLFLEET_TOKEN=TOKEN)))
         _, listening = master.wait_for(r"listening on [\d.]+:(\d+)", timeout=30)
         return Fleet(lab, tmp_path, master, int(listening.group(1)))
 
