@@ -82,6 +82,10 @@
                                 # than nodes.min running, fails the job
       oom: {memory_factor: 1.5, memory_cap: 64Gi}  # a node OOMKilled is relaunched
                                 # with its memory limit times the factor, capped
+      shm_size: 8Gi             # the worker Pods' /dev/shm (a memory-backed emptyDir):
+                                # in-memory checkpoint images live there (a node's own
+                                # and a peer's replicas); a container's is 64Mi without it.
+                                # Its pages count against the Pod's memory limit
 
 Unknown keys are errors (a typo must not silently mean "default"). Relative
 paths are relative to the directory of the job.yaml. Every error names the
@@ -206,6 +210,12 @@ def format_bytes_quantity(value: int) -> str:
     return f"{max(1, -(-value // 2**20))}Mi"
 
 
+# The worker Pods' /dev/shm, where in-memory checkpoint images live: room for
+# a node's own images and a peer's replicas of a model of a few GB.
+DEFAULT_SHM_SIZE = "8Gi"
+MIN_SHM_BYTES = 64 * 2**20  # what a container's /dev/shm has without a volume
+
+
 class TokenSecret(_Strict):
     name: str = Field(min_length=1)
     key: str = "token"
@@ -250,6 +260,14 @@ class KubernetesConfig(_Strict):
     pending_timeout_s: Seconds = 600.0
     termination_grace_s: int = Field(default=30, ge=0, le=3_600)
     oom: OomPolicy = OomPolicy()
+    shm_size: str = DEFAULT_SHM_SIZE
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size(cls, value: str) -> str:
+        if parse_quantity(value) < MIN_SHM_BYTES:
+            raise ValueError(f"{value} is less than the 64Mi a container's /dev/shm has without it")
+        return value
 
     @field_validator("resources")
     @classmethod

@@ -9,7 +9,10 @@ asks for nodes; this platform makes them Pods and reads back what happened:
   Job when the master runs in a Pod (found through $POD_NAME), else by the
   job's headless Service, so deleting the job deletes its Pods.
 - A headless Service `<job>-master` selects the master Pod: workers dial
-  `<service>.<namespace>.svc:<port>` (or `master_address`). The token reaches
+  `<service>.<namespace>.svc:<port>` (or `master_address`), and publish
+  their Pod IP to each other (`PET_LOCAL_ADDR` from the downward API). Each
+  mounts a memory-backed emptyDir of `shm_size` at /dev/shm, where in-memory
+  checkpoint images live (a container's own is 64Mi). The token reaches
   them from a Secret (the user's `token_secret`, or `<job>-dlfleet` made here).
   Where job.yaml's `http` listens beyond the Pod's loopback, the Service also
   carries the HTTP port and `prometheus.io/{scrape,port,path,scheme}`
@@ -80,6 +83,11 @@ LABEL_ROLE = "dlfleet.io/role"
 LABEL_INDEX = "dlfleet.io/node-index"
 LABEL_ATTEMPT = "dlfleet.io/attempt"
 CONTAINER = "worker"
+# dlworker's --local-addr, as torchrun names it: the address a node publishes
+# to the others (its store, its keeper, its workers' collectives).
+LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"
+SHM_VOLUME = "dlfleet-shm"
+SHM_PATH = "/dev/shm"
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 CALL_TIMEOUT_S = 10.0
 WATCH_TIMEOUT_S = 30  # the server ends each watch after this; we resume it
@@ -514,10 +522,18 @@ class KubernetesPlatform(Platform[KubeNode]):
                 "valueFrom": {"secretKeyRef": {"name": self.secret, "key": self.secret_key}},
             },
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            # The Pod's own IP: what the other nodes reach it at.
+            {"name": LOCAL_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
         mounts = copy.deepcopy(kube.volume_mounts)
         volumes = copy.deepcopy(kube.volumes)
+        if not any(mount.get("mountPath", "").rstrip("/") == SHM_PATH for mount in mounts):
+            # A container's /dev/shm is 64Mi: too small for checkpoint images.
+            volumes.append(
+                {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kube.shm_size}}
+            )
+            mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
         if config.tls is not None and kube.token_secret is None:
             volumes.append(
                 {"name": "dlfleet-tls", "secret": {"secretName": self.secret,
