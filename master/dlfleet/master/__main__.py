@@ -9,7 +9,8 @@
 Serve mode prints `listening on HOST:PORT` once it accepts requests (after
 `http on URL` when --http-port is given). Either
 way, a master started again on the same store continues where the last one
-stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts.
+stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts,
+and so does a port that is in use (one line naming it and its flag or setting).
 
 This module only parses the flags and dispatches: serve mode becomes the master
 service process (`dlfleet.master.service.app`); `--job-config` the job
@@ -34,10 +35,12 @@ from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
 from dlfleet.master.service.http_api import HttpSettings
+from dlfleet.master.service.ports import Endpoint, PortInUse
 from dlfleet.master.service.server import load_tls_pair
 from dlfleet.master.service.state import MasterSettings
 
 TOKEN_ENV = "DLFLEET_TOKEN"
+PORT_FLAGS = {Endpoint.GRPC: "--port", Endpoint.HTTP: "--http-port"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -224,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                 http=_http(args),
             )
         )
+    except PortInUse as exc:
+        flag = PORT_FLAGS[exc.endpoint]
+        print(
+            f"dlmaster: {exc} ({flag} {exc.port}): stop what holds it, or pass another "
+            f"{flag} (0 picks a free one)",
+            file=sys.stderr,
+        )
+        return 2
     except DlfleetError as exc:
         print(f"dlmaster: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -379,6 +380,49 @@ def test_a_bad_config_exits_2_before_anything_starts(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "invalid job config" in done.stderr and "nodes.min" in done.stderr
     assert not (tmp_path / ".dlfleet").exists()
+
+
+def run_job_yaml(path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """`dlmaster --job-config` of a job whose script does nothing."""
+    (path.parent / "train.py").write_text("")
+    path.write_text(f"name: x\ncommand: train.py\ndisplay: plain\n{text}")
+    return subprocess.run(
+        [sys.executable, "-m", "dlfleet.master", "--job-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,  # a master that never listens is given up on after 60 s
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["master", "http"])
+def test_a_port_in_use_exits_2_naming_the_job_yaml_setting_before_anything_starts(
+    endpoint: str, tmp_path: Path
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = run_job_yaml(tmp_path / "job.yaml", f"{endpoint}: {{port: {port}}}\n")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"127.0.0.1:{port}: the port is in use ({endpoint}.port: {port} in " in done.stderr
+    assert not (tmp_path / ".dlfleet").exists(), "no master, no node, no workdir"
+
+
+def test_a_master_that_exits_as_it_starts_fails_the_job_at_once_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # Both free, until the master's gRPC server takes the port its HTTP
+    # endpoint wants too.
+    yaml = f"master: {{port: {port}}}\nhttp: {{port: {port}}}\n"
+    done = run_job_yaml(tmp_path / "job.yaml", yaml)
+    assert done.returncode == 1
+    assert "the master exited (exit code 2) before it listened" in done.stderr
+    assert f"(--http-port {port})" in done.stderr
 
 
 # A worker that also leases shards from the job's master, one every 50 ms,

@@ -1,10 +1,13 @@
-"""`dlmaster`'s command line: bad flags exit 2 naming the problem; nothing starts."""
+"""`dlmaster`'s command line: bad flags, or a port in use, exit 2 naming the
+problem; nothing starts."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,30 @@ def test_bad_flags_exit_2_with_a_clear_message(
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "m.db").exists(), "nothing may start on bad flags"
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another process listens on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_port_in_use_exits_2_with_one_line_naming_the_port_and_its_flag(
+    flag: str, taken_port: int, tmp_path: Path
+) -> None:
+    store = ["--store", f"sqlite:///{tmp_path / 'm.db'}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "dlfleet.master", "--token", "t", *store, flag, str(taken_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr  # no traceback, no gRPC log line
+    assert f"127.0.0.1:{taken_port}: the port is in use ({flag} {taken_port})" in done.stderr
+    assert not (tmp_path / "m.db").exists(), "nothing may start on a port in use"

@@ -1,8 +1,9 @@
 """`dlmaster --job-config job.yaml`: validate, then run the job to its end.
 
 Exit codes: 0 the job succeeded; 1 it failed (the reason, with the failing
-rank's traceback, is printed last on stderr); 2 the job.yaml is invalid
-(nothing was started); 130 interrupted (^C or SIGTERM: the nodes are stopped).
+rank's traceback, is printed last on stderr); 2 the job.yaml is invalid, or a
+port it fixes is in use (nothing was started); 130 interrupted (^C or SIGTERM:
+the nodes are stopped).
 
 Lives in the job supervisor process (`dlmaster --job-config`).
 """
@@ -18,6 +19,9 @@ from dlfleet.api.errors import DlfleetError, InvalidArgument
 from dlfleet.master.job.display import DisplayLogHandler, choose_display
 from dlfleet.master.job.jobconfig import load_job_config
 from dlfleet.master.job.runner import JobRunner
+from dlfleet.master.service.ports import Endpoint, PortInUse
+
+PORT_SETTINGS = {Endpoint.GRPC: "master.port", Endpoint.HTTP: "http.port"}
 
 
 def run_job_main(path: Path, log_level: str = "INFO") -> int:
@@ -33,6 +37,15 @@ def run_job_main(path: Path, log_level: str = "INFO") -> int:
     runner = JobRunner(config, display)
     try:
         result = asyncio.run(runner.run())
+    except PortInUse as exc:
+        display.close()
+        setting = PORT_SETTINGS[exc.endpoint]
+        print(
+            f"dlmaster: job {config.name}: {exc} ({setting}: {exc.port} in {path}): stop what "
+            f"holds it, or set another {setting} (0 picks a free one)",
+            file=sys.stderr,
+        )
+        return 2
     except DlfleetError as exc:
         display.close()
         print(f"dlmaster: job {config.name} could not run: {exc}", file=sys.stderr)

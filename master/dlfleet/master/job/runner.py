@@ -78,6 +78,7 @@ from dlfleet.master.job.platform import (
 from dlfleet.master.job.platform.local import LocalPlatform
 from dlfleet.master.job.supervised import SupervisedMaster
 from dlfleet.master.job.tally import SupervisorTally, exit_reason
+from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
 
@@ -89,6 +90,7 @@ FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not rel
 MASTER_FILE = "master.json"
 STOP_GRACE_S = 15.0
 MASTER_START_S = 60.0
+EXIT_SEEN_S = 5.0  # from a master's output ending to its exit code
 MAX_MASTER_RESTARTS = 10
 _NO_RETRY = RetryPolicy(attempts=1, max_backoff_s=0.1, total_budget_s=2.0)
 RESULT_FILE = "result.json"
@@ -183,7 +185,12 @@ class JobRunner:
     # ------------------------------------------------------------------ run
 
     async def run(self) -> JobResult:
+        """The job, to its end. `PortInUse` before anything starts when a port
+        job.yaml fixes is taken."""
         config = self.config
+        check_port_free(Endpoint.GRPC, config.master.host, config.master.port)
+        if config.http is not None:
+            check_port_free(Endpoint.HTTP, config.http.host, config.http.port)
         self._set_aside_finished_run()
         config.work_dir.mkdir(parents=True, exist_ok=True)
         token = job_token(config)
@@ -202,9 +209,15 @@ class JobRunner:
             # all dead. Pods outlive it, and the new runner adopts them.
             self.master.start(forget_nodes=self.config.platform == "local")
             if not await asyncio.to_thread(self.master.wait_listening, MASTER_START_S):
+                log = self.master.log_dir / "master.log"
+                code = await asyncio.to_thread(self.master.wait_exit, EXIT_SEEN_S)
+                if code is None:
+                    raise DlfleetError(
+                        f"the master did not start within {MASTER_START_S:g}s; see {log}"
+                    )
                 raise DlfleetError(
-                    f"the master did not start within {MASTER_START_S:g}s "
-                    f"(exit {self.master.poll()}); see {self.master.log_dir / 'master.log'}"
+                    f"the master exited ({describe_exit(code)}) before it listened: "
+                    f"{self.master.last_line}; see {log}"
                 )
             control = await self._serve_control(token)
             self._write_master_file(control)

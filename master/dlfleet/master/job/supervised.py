@@ -47,6 +47,9 @@ class SupervisedMaster:
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = -1  # the first start is not a restart
         self.listening = threading.Event()
+        # Set once this start's master listens or its output ends (it exited).
+        self._settled = threading.Event()
+        self.last_line = ""  # of its output: why it exited, when it did
         self.log_dir = config.work_dir / "logs"
 
     @property
@@ -92,6 +95,7 @@ class SupervisedMaster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.restarts += 1
         self.listening.clear()
+        self._settled = settled = threading.Event()
         env = {**os.environ, "DLFLEET_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             die_with_parent(self.command(forget_nodes)),
@@ -103,11 +107,23 @@ class SupervisedMaster:
         )
         assert self.proc.stdout is not None
         threading.Thread(
-            target=self._pump, args=(self.proc.stdout,), name="output-master", daemon=True
+            target=self._pump, args=(self.proc.stdout, settled), name="output-master", daemon=True
         ).start()
 
     def wait_listening(self, timeout_s: float) -> bool:
-        return self.listening.wait(timeout_s)
+        """Whether the master listens within `timeout_s`; False at once when
+        it exits first (then `last_line` says why)."""
+        self._settled.wait(timeout_s)
+        return self.listening.is_set()
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Its exit code, once it exits within `timeout_s`; None if it runs."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -122,14 +138,20 @@ class SupervisedMaster:
             self.proc.kill()
             self.proc.wait()
 
-    def _pump(self, stream: IO[bytes]) -> None:
-        with stream, (self.log_dir / "master.log").open("ab") as log:
-            for raw in stream:
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                if line.startswith(HTTP_LINE):
-                    self.http_url = line.removeprefix(HTTP_LINE).strip()
-                if line.startswith("dlmaster: listening on"):
-                    self.listening.set()
-                self.on_line("master", line)
+    def _pump(self, stream: IO[bytes], settled: threading.Event) -> None:
+        try:
+            with stream, (self.log_dir / "master.log").open("ab") as log:
+                for raw in stream:
+                    log.write(raw)
+                    log.flush()
+                    line = raw.decode(errors="replace").rstrip("\n")
+                    if line.startswith(HTTP_LINE):
+                        self.http_url = line.removeprefix(HTTP_LINE).strip()
+                    if line.startswith("dlmaster: listening on"):
+                        self.listening.set()
+                        settled.set()
+                    if line.strip():
+                        self.last_line = line
+                    self.on_line("master", line)
+        finally:
+            settled.set()  # its output ended: it exited

@@ -12,6 +12,7 @@ import gc
 import signal
 
 from dlfleet.master.service.http_api import HttpSettings
+from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rpc import system_clock
 from dlfleet.master.service.server import MasterServer
 from dlfleet.master.service.state import MasterSettings, MasterState
@@ -59,11 +60,18 @@ async def serve(
     `dlmaster: listening on HOST:PORT` once requests are accepted. With
     `http`, the HTTP endpoint too, announced first as `dlmaster: http on URL`.
     With `forget_nodes`, the nodes recovered from the store are dropped at
-    once."""
+    once. A port in use is `PortInUse`, before the store is even opened."""
+    check_port_free(Endpoint.GRPC, host, port)
+    if http is not None:
+        check_port_free(Endpoint.HTTP, http.host, http.port)
     store = open_store(store_url)
     state = MasterState.recover(store, settings, system_clock())
     server = MasterServer(state, token=token, host=host, port=port, tls=tls, http=http)
-    bound = await server.start()
+    try:
+        bound = await server.start()
+    except BaseException:
+        state.close()
+        raise
     if server.http is not None:
         print(f"dlmaster: http on {server.http.url}", flush=True)
     if forget_nodes:

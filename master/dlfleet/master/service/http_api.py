@@ -24,6 +24,7 @@ Lives in the master service process.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ssl
 import tempfile
@@ -37,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.service.dashboard import Dashboard, wants_html
+from dlfleet.master.service.ports import Endpoint, PortInUse
 from dlfleet.master.service.timeline import Timeline
 
 TOKEN_HEADER = "X-Dlfleet-Token"
@@ -129,6 +131,8 @@ class HttpEndpoint:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(Endpoint.HTTP, self.settings.host, self.settings.port) from None
             address = f"{self.settings.host}:{self.settings.port}"
             raise DlfleetError(f"could not bind the HTTP endpoint to {address}: {exc}") from None
         self._runner = runner

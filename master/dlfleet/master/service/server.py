@@ -50,6 +50,7 @@ from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.node_check_service import NodeCheckService
+from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import (
     Clock,
@@ -451,7 +452,9 @@ class MasterServer:
         self.state = state
         self.clock = clock
         self._token = token
+        self._host = host
         self._address = f"{host}:{port}"
+        self._port = port
         # Expiry runs often enough that a silent node is dropped within its
         # heartbeat timeout plus a quarter of it, and at most 0.25 s after it
         # (each run looks only at what is overdue: heaps and heartbeat order).
@@ -481,6 +484,9 @@ class MasterServer:
         return self.supervisor_view.merge(own, now)
 
     async def start(self) -> int:
+        """Listen; `PortInUse` when the port is taken (gRPC alone would log
+        and raise a bare RuntimeError)."""
+        check_port_free(Endpoint.GRPC, self._host, self._port)
         loop = asyncio.get_running_loop()
         durable = Durable(loop)
         membership = Membership(self.state, self.clock, durable.wait, self.metrics, self.timeline)
@@ -534,12 +540,15 @@ class MasterServer:
             add_service(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        if self._tls is not None:
-            cert, key = self._tls
-            credentials = grpc.ssl_server_credentials([(key, cert)])
-            self.port = server.add_secure_port(self._address, credentials)
-        else:
-            self.port = server.add_insecure_port(self._address)
+        try:
+            if self._tls is not None:
+                cert, key = self._tls
+                credentials = grpc.ssl_server_credentials([(key, cert)])
+                self.port = server.add_secure_port(self._address, credentials)
+            else:
+                self.port = server.add_insecure_port(self._address)
+        except RuntimeError:  # how gRPC says it bound no address
+            self.port = 0
         if self.port == 0:
             raise DlfleetError(f"could not bind the master to {self._address}")
         await server.start()
