@@ -1,0 +1,203 @@
+"""Across machines, as a new user runs it: README's "Across machines" commands,
+word for word, each on a machine of its own (tests/netns.py: a network
+namespace with its own hostname, /etc/hosts, /tmp and /dev/shm), in a user's
+environment with nothing dlfleet-specific set but the token.
+
+- DDP (gloo) trains with in-memory checkpoints persisted to the one shared
+  folder; a node's machine is lost (every process killed), a node on a new
+  machine takes its place and restores from the peer replica; the lost
+  machine's node comes back and the world grows to three; the ledger of
+  trained records is exact. Host a resolves its own hostname to 127.0.1.1
+  (Debian's default /etc/hosts) and host b has a second interface on a
+  network nobody else reaches, its hostname resolving there: what torchrun
+  would publish on either is unreachable, and the route to the master is not.
+- The same machines through stock `torchrun --rdzv-backend=dlfleet`.
+- A node that publishes a loopback address into a job on several machines is
+  refused at once, with a message naming --local-addr.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shlex
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ledger import assert_exactly_once, read_ledger
+from netns import NetLab, Output, netns_unavailable, user_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TOKEN = secrets.token_hex(16)
+HOSTS = {"m": "10.232.0.1", "a": "10.232.0.2", "b": "10.232.0.3", "c": "10.232.0.4"}
+SIZE = 360
+FORMED = r"round (\d+) formed: (.*)"
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The commands of README's "Across machines" section, by program."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Across machines", 1)[1].split("\n## ", 1)[0]
+    commands: dict[str, list[str]] = {}
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("#", 1)[0])
+            if words and words[0] in ("dlmaster", "dlworker", "torchrun"):
+                commands.setdefault(words[0], words)
+    return commands
+
+
+def with_script(command: list[str], script: Path, *args: str) -> list[str]:
+    """README's command with its `train.py` replaced by `script` and `args`."""
+    assert command[-1] == "train.py", command
+    return [*command[:-1], str(script), *args]
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[NetLab]:
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    net = NetLab(dict(HOSTS), debian_hosts=frozenset({"a"}), second_net={"b": "10.99.0.3"}).start()
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.fixture
+def job(lab: NetLab) -> Iterator[Path]:
+    """A folder on the shared file system for this test; the master started
+    on host m with README's command."""
+    folder = lab.shared / secrets.token_hex(4)
+    folder.mkdir()
+    yield folder
+    lab.kill_processes()
+
+
+def start_master(lab: NetLab) -> Output:
+    master = Output("dlmaster", lab.popen("m", readme_commands()["dlmaster"], env()))
+    master.wait_for(r"listening on", timeout=60)
+    return master
+
+
+def env() -> dict[str, str]:
+    return user_env(DLFLEET_TOKEN=TOKEN)
+
+
+def members(master: Output, since: float = 0.0) -> list[set[str]]:
+    return [
+        set(re.findall(r"\('([^']+)', \d+\)", match.group(2)))
+        for _, match in master.matches(FORMED, since)
+    ]
+
+
+def wait_round(master: Output, hosts: set[str], timeout: float, since: float = 0.0) -> float:
+    """Until a round of exactly the nodes of `hosts` forms (node names start
+    with their hostnames); when it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for at, match in master.matches(FORMED, since):
+            names = re.findall(r"\('([^']+)', \d+\)", match.group(2))
+            if sorted(n[4] for n in names) == sorted(hosts):  # 'hosta...#1' -> 'a'
+                return at
+        time.sleep(0.05)
+    raise AssertionError(f"no round of {sorted(hosts)}; rounds: {members(master)}\n{master.tail()}")
+
+
+def steps_logged(ledger: Path) -> int:
+    return sum(1 for e in read_ledger(ledger)[0]) if ledger.exists() else 0
+
+
+def wait_steps(ledger: Path, count: int, timeout: float, *outputs: Output) -> float:
+    deadline = time.monotonic() + timeout
+    while steps_logged(ledger) < count:
+        if time.monotonic() > deadline:
+            tails = "\n\n".join(f"{o.name}:\n{o.tail()}" for o in outputs)
+            raise AssertionError(f"fewer than {count} steps logged in {timeout}s\n{tails}")
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def test_readme_commands_train_across_machines_through_a_lost_and_an_added_node(
+    lab: NetLab, job: Path
+) -> None:
+    ledger, checkpoints = job / "ledger", job / "checkpoints"
+    worker = with_script(
+        readme_commands()["dlworker"],
+        SCRIPTS / "ledger_train.py",
+        "--ledger-dir", str(ledger), "--checkpoint-dir", str(checkpoints),
+        "--in-memory", "--persist-every", "40", "--size", str(SIZE), "--epochs", "1",
+        "--batch-size", "2", "--sleep-per-step", "0.15",
+    )  # fmt: skip
+    started = time.monotonic()
+    master = start_master(lab)
+    nodes = {host: Output(f"node {host}", lab.popen(host, worker, env())) for host in "ab"}
+    wait_round(master, {"a", "b"}, timeout=90)
+    first_step = wait_steps(ledger, 2 * 12, 120, master, *nodes.values())
+    print(f"lab: first step {first_step - started:.1f}s after the master started")
+
+    # Host b is lost; a node on a new machine, c, takes its place.
+    lab.kill_host("b")
+    lost = time.monotonic()
+    before = steps_logged(ledger)
+    nodes["c"] = Output("node c", lab.popen("c", worker, env()))
+    wait_round(master, {"a", "c"}, timeout=90, since=lost)
+    recovered = wait_steps(ledger, before + 2 * 4, 90, master, *nodes.values())
+    print(f"lab: trained again {recovered - lost:.1f}s after host b was lost (c started then)")
+
+    # b's node comes back: the world grows to three.
+    grown = time.monotonic()
+    nodes["b"] = Output("node b again", lab.popen("b", worker, env()))
+    wait_round(master, {"a", "b", "c"}, timeout=90, since=grown)
+    for host in "acb":
+        assert nodes[host].wait_exit(150) == 0, nodes[host].tail()
+
+    report = assert_exactly_once(ledger, size=SIZE, epochs=1)
+    worlds = {entry.world for entry in read_ledger(ledger)[0]}
+    assert worlds == {2, 3}, worlds
+    restored = [r.restored_step for r in report.restores]
+    # After the loss, from memory (the peer's replica), not from the start nor
+    # from the persisted folder (every 40 steps: none by then).
+    assert any(step >= 10 for step in restored), report.restores
+    for host in "ac":
+        assert re.search(r"this node's address: 10\.232\.0\.", nodes[host].text()), nodes[
+            host
+        ].tail()
+
+
+def test_stock_torchrun_trains_across_machines_through_the_master(lab: NetLab, job: Path) -> None:
+    start_master(lab)
+    command = with_script(
+        readme_commands()["torchrun"], SCRIPTS / "allreduce_steps.py", str(job), "5", "0.05"
+    )
+    runs = [Output(f"torchrun {host}", lab.popen(host, command, env())) for host in "ab"]
+    for run in runs:
+        assert run.wait_exit(120) == 0, run.tail()
+    for rank in (0, 1):
+        steps = [
+            json.loads(line) for line in (job / f"steps-rt0-g{rank}.jsonl").read_text().splitlines()
+        ]
+        assert [(s["step"], s["world"], s["sum"]) for s in steps] == [(i, 2, 2.0) for i in range(5)]
+
+
+def test_a_loopback_address_in_a_job_on_several_machines_is_refused_naming_the_flag(
+    lab: NetLab, job: Path
+) -> None:
+    master = start_master(lab)
+    command = readme_commands()["dlworker"]
+    loopback = [*command[:1], "--local-addr", "127.0.0.1", *command[1:-1]]
+    loopback.append(str(SCRIPTS / "allreduce_steps.py"))
+    loopback += [str(job), "5", "0.05"]
+    runs = [Output(f"node {host}", lab.popen(host, loopback, env())) for host in "ab"]
+    for run in runs:
+        code = run.wait_exit(60)
+        assert code != 0, run.tail()
+        assert "--local-addr" in run.text() and "loopback" in run.text(), run.tail()
+    assert not members(master), master.tail()
