@@ -2,8 +2,9 @@
 
 Every call has a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED)
 are retried with exponential backoff and jitter within a bounded budget of
-attempts and time, then end in `Unavailable` saying what was tried. Every other
-failure is raised at once as the domain error of its status code
+attempts and time, each retry logged as one warning (the call, the master's
+address, the attempt), then end in `Unavailable` saying what was tried. Every
+other failure is raised at once as the domain error of its status code
 (`dlfleet.api.status`). Retrying is safe: leases carry a request id (a retry
 gets the same lease), reports of a lease already DONE are duplicates, restores
 are idempotent.
@@ -55,6 +56,7 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 # error from Core") before the read sees UNAVAILABLE. The master never closes
 # a session with INTERNAL (it refuses one with the domain error's status).
 _SESSION_BREAKS = _RETRYABLE | {grpc.StatusCode.INTERNAL}
+MAX_DETAILS_LOGGED = 200  # characters of a failed call's details in a retry's log line
 
 Resp = TypeVar("Resp")
 
@@ -371,8 +373,11 @@ class MasterClient:
     def report_worker_failure(self, report: rendezvous_pb2.FailureReport) -> None:
         self._call("ReportFailure", self._rendezvous.ReportFailure, report)
 
-    def rendezvous_state(self) -> rendezvous_pb2.RendezvousStateResponse:
-        request = rendezvous_pb2.RendezvousStateRequest()
+    def rendezvous_state(
+        self, waiting_only: bool = False
+    ) -> rendezvous_pb2.RendezvousStateResponse:
+        """The rendezvous now; `waiting_only`: just why nodes wait (no members)."""
+        request = rendezvous_pb2.RendezvousStateRequest(waiting_only=waiting_only)
         return self._call("GetState", self._rendezvous.GetState, request)
 
     def agent_session(
@@ -572,10 +577,19 @@ class _Attempts:
                 f"{self._name} to master {self._target} failed after {self._done} attempts "
                 f"over {elapsed:.1f}s: {code.name}: {error.details()}"
             ) from None
-        _log.debug(
-            "%s to %s failed (%s); retrying in %.2fs", self._name, self._target, error, pause
-        )
+        # One line per retry, so that a master that is down or unreachable is
+        # seen at once and by its address, not only when the budget is spent.
+        _log.warning(
+            "%s to master %s: attempt %d of %d failed (%s: %s); retrying in %.2fs",
+            self._name, self._target, self._done, policy.attempts, code.name,
+            _one_line(error.details()), pause,
+        )  # fmt: skip
         return pause
+
+
+def _one_line(details: str | None, limit: int = MAX_DETAILS_LOGGED) -> str:
+    text = " ".join((details or "").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _SharedLoop:
@@ -1051,10 +1065,14 @@ class AgentSession:
         self, request: rendezvous_pb2.JoinRequest, timeout_s: float = 900.0
     ) -> rendezvous_pb2.JoinResponse:
         """`join_async` from another thread (the agent's)."""
-        future = asyncio.run_coroutine_threadsafe(
-            self.join_async(request, timeout_s), self._io.loop
-        )
-        return future.result()
+        return self.join_future(request, timeout_s).result()
+
+    def join_future(
+        self, request: rendezvous_pb2.JoinRequest, timeout_s: float = 900.0
+    ) -> concurrent.futures.Future[rendezvous_pb2.JoinResponse]:
+        """`join_async` from another thread, for a caller that does more while
+        it waits (says why, leaves when told); cancelling it gives the join up."""
+        return asyncio.run_coroutine_threadsafe(self.join_async(request, timeout_s), self._io.loop)
 
     async def _send_join(
         self,
