@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ledger import assert_exactly_once, read_ledger
+from e2e.ledger import assert_exactly_once, read_ledger
 from netns import NetLab, Output, netns_unavailable, user_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

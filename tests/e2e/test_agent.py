@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from harness import MasterProcess
+from netns import Output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -268,6 +269,25 @@ def test_a_preempted_agent_exits_143_and_the_others_reform_at_once(
     assert time.monotonic() - preempted < 15
     code, out = finish(a)
     assert code == 0, out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_node_waiting_for_a_round_says_why_and_leaves_at_once_when_told(
+    job: Callable[..., Any], signum: signal.Signals
+) -> None:
+    """Alone under min_nodes 2: every few seconds the node says who waits and
+    how many a round needs; SIGTERM or Ctrl-C ends the wait at once (143)."""
+    _, agent, _ = job(2, 2)
+    waiting = Output("a", agent("a"))
+    waiting.wait_for(
+        r"waiting \d+s for a round: 1 node\(s\) waiting \(a#1\); a round needs min_nodes 2: "
+        r"waiting for 1 more, at most \d+s more",
+        timeout=30,
+    )
+    told = time.monotonic()
+    waiting.proc.send_signal(signum)
+    assert waiting.wait_exit(10) == 143, waiting.tail()
+    assert time.monotonic() - told < 3, waiting.tail()
 
 
 def test_an_unreachable_master_ends_in_a_clear_error(tmp_path: Path) -> None:

@@ -421,3 +421,34 @@ def test_a_round_of_thousands_forms_once_every_survivor_is_back() -> None:
     assert again is not None and len(again.members) == 2_999
     # Survivors keep their order: n8 moves up into n7's rank.
     assert [m.node_id for m in again.members[6:9]] == ["n6", "n8", "n9"]
+
+
+def test_waiting_nodes_are_told_who_waits_how_many_a_round_needs_and_until_when() -> None:
+    rdzv = Rendezvous(
+        RendezvousSettings(min_nodes=3, max_nodes=4, last_call_timeout_ms=2_000,
+                           join_timeout_ms=60_000)
+    )  # fmt: skip
+    assert rdzv.why_waiting(0) == ""
+    rdzv.join("b#1", 1, "10.0.0.3", 29500, now_ms=0)
+    rdzv.join("a#1", 1, "10.0.0.2", 29500, now_ms=1_000)
+    assert rdzv.why_waiting(10_000) == (
+        "2 node(s) waiting (a#1, b#1); a round needs min_nodes 3: waiting for 1 more, "
+        "at most 50s more (join_timeout)"
+    )
+    rdzv.join("c#1", 1, "10.0.0.4", 29500, now_ms=10_500)
+    assert rdzv.why_waiting(11_000) == (
+        "3 node(s) waiting (a#1, b#1, c#1); a round of 3 forms in 1.5s (last call) unless "
+        "more join, at once with max_nodes 4"
+    )
+    rdzv.tick(12_500)
+    assert rdzv.state.active is not None and rdzv.why_waiting(12_500) == ""
+
+
+def test_a_node_beyond_max_nodes_is_told_it_waits_for_the_round_to_re_form() -> None:
+    rdzv = Rendezvous(RendezvousSettings(min_nodes=1, max_nodes=1))
+    rdzv.join("a#1", 1, "10.0.0.2", 29500, now_ms=0)
+    rdzv.join("b#1", 1, "10.0.0.3", 29500, now_ms=100)
+    assert rdzv.why_waiting(200) == (
+        "1 node(s) waiting (b#1); round 1 runs with 1 node(s), max_nodes 1: they join when "
+        "it re-forms (a node leaves or fails)"
+    )

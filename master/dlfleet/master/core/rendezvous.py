@@ -470,6 +470,38 @@ class Rendezvous:
     def num_nodes_waiting(self) -> int:
         return len(self.state.waiting)
 
+    def why_waiting(self, now_ms: int, shown: int = 5) -> str:
+        """Why the waiting nodes are not in a round yet: who joined, how many
+        a round needs, and until when they wait. One line, for the nodes'
+        logs ("" when nobody waits)."""
+        state, settings = self.state, self.settings
+        count = len(state.waiting)
+        if not count:
+            return ""
+        names = sorted(state.waiting)[:shown]
+        joined = f"{count} node(s) waiting ({', '.join(names)}{', ...' if count > shown else ''})"
+        gives_up = (state.first_join_ms() + settings.join_timeout_ms - now_ms) / 1000
+        active = state.active
+        if active is not None:
+            return (
+                f"{joined}; round {active.round} runs with {active.world_size} node(s), "
+                f"max_nodes {settings.max_nodes}: they join when it re-forms (a node leaves or "
+                "fails)"
+            )
+        size = min(count, settings.max_nodes) // settings.node_unit * settings.node_unit
+        if size < settings.min_nodes:
+            unit = f" in multiples of {settings.node_unit}" if settings.node_unit > 1 else ""
+            return (
+                f"{joined}; a round needs min_nodes {settings.min_nodes}{unit}: waiting for "
+                f"{settings.min_nodes - size} more, at most {max(gives_up, 0):.0f}s more "
+                "(join_timeout)"
+            )
+        forms_in = (state.last_join_ms() + settings.last_call_timeout_ms - now_ms) / 1000
+        return (
+            f"{joined}; a round of {size} forms in {max(forms_in, 0):.1f}s (last call) unless "
+            f"more join, at once with max_nodes {settings.max_nodes}"
+        )
+
     # ----------------------------------------------------------------- apply
 
     def apply(self, event: RendezvousEvent) -> None:

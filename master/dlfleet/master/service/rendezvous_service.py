@@ -381,10 +381,11 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     ) -> rendezvous_pb2.RendezvousStateResponse:
         state = self.state.rendezvous.state
         active = state.active
-        members = active.members if active else ()
+        members = active.members if active and not request.waiting_only else ()
         return rendezvous_pb2.RendezvousStateResponse(
             round=active.round if active else 0,
             num_nodes_waiting=len(state.waiting),
+            waiting=self.state.rendezvous.why_waiting(self.clock()),
             members=[m.node_id for m in members],
             last_round=state.last_round,
             local_world_sizes=[m.local_world_size for m in members],

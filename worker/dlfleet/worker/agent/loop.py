@@ -40,6 +40,7 @@ port, chosen at join), so no key of an earlier attempt is ever read again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -79,6 +80,8 @@ from dlfleet.worker.progress import PROGRESS_ENV, read_counts
 _log = logging.getLogger("dlworker")
 
 STOP_TIMEOUT_S = 10.0
+# How often a node waiting for a round says why.
+WAITING_SAY_S = 5.0
 NODE_ID_ENV = "DLFLEET_NODE_ID"
 TOKEN_ENV = "DLFLEET_TOKEN"
 # How long to keep trying an unreachable master before giving up, in seconds.
@@ -427,7 +430,7 @@ class Agent:
             # The spare port lets the master join this node into the next
             # round itself when this one closes (the push then says so).
             port, spare = free_ports(self.bind_host, 2)
-            joined = self.session.join(
+            pending = self.session.join_future(
                 join_request(
                     self.node_id,
                     self.incarnation,
@@ -438,8 +441,11 @@ class Agent:
                     next_bootstrap_port=spare,
                 )
             )
+            joined = self._wait_for_round(pending)
         except DlfleetError as error:
             return Failed(None, f"rendezvous failed: {error}")
+        if joined is None:
+            return Preempted()
         assignment = RoundAssignment(
             round=joined.round,
             group_rank=joined.group_rank,
@@ -485,6 +491,34 @@ class Agent:
             self.sampler.peak_rss, self.sampler.most_steps = before.peak_rss, before.most_steps
         self._sampled_at = time.monotonic()
         return Running(assignment, phase.restart_count)
+
+    def _wait_for_round(
+        self, pending: concurrent.futures.Future[rendezvous_pb2.JoinResponse]
+    ) -> rendezvous_pb2.JoinResponse | None:
+        """The join's answer; meanwhile, every WAITING_SAY_S, why no round has
+        formed (the master says who waits, how many a round needs, until
+        when). None when told to leave (SIGTERM, Ctrl-C) first."""
+        started = time.monotonic()
+        say_at = started + WAITING_SAY_S
+        while True:
+            try:
+                return pending.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                pass
+            if self.preempted.is_set():
+                pending.cancel()
+                return None
+            if time.monotonic() >= say_at:
+                say_at = time.monotonic() + WAITING_SAY_S
+                try:
+                    why = self.client.rendezvous_state(waiting_only=True).waiting
+                except DlfleetError as error:
+                    why = f"the master at {self.config.master} does not answer: {error}"
+                _log.info(
+                    "waiting %.0fs for a round: %s",
+                    time.monotonic() - started,
+                    why or "the round is forming",
+                )
 
     def _environments(
         self, assignment: RoundAssignment, restart_count: int
