@@ -18,6 +18,7 @@ class ErrorCode(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
+    UNIMPLEMENTED = "unimplemented"
     INTERNAL = "internal"
 
 
@@ -58,6 +59,14 @@ class Unavailable(DlfleetError):
     code = ErrorCode.UNAVAILABLE
 
 
+class Unimplemented(DlfleetError):
+    """The server does not serve this call: another kind of server (a master
+    started without a job supervisor asked for the job's status), or an
+    older one."""
+
+    code = ErrorCode.UNIMPLEMENTED
+
+
 ERROR_CLASSES: dict[ErrorCode, type[DlfleetError]] = {
     ErrorCode.INVALID_ARGUMENT: InvalidArgument,
     ErrorCode.FAILED_PRECONDITION: StaleError,
@@ -65,5 +74,6 @@ ERROR_CLASSES: dict[ErrorCode, type[DlfleetError]] = {
     ErrorCode.UNAUTHENTICATED: Unauthenticated,
     ErrorCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     ErrorCode.UNAVAILABLE: Unavailable,
+    ErrorCode.UNIMPLEMENTED: Unimplemented,
     ErrorCode.INTERNAL: DlfleetError,
 }

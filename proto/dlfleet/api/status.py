@@ -16,6 +16,7 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

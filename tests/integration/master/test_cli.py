@@ -1,5 +1,6 @@
 """`dlmaster`'s command line: bad flags, or a port in use, exit 2 naming the
-problem; nothing starts."""
+problem; nothing starts. `dlmaster status|scale` at a master that cannot
+answer them says why."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from harness import MasterProcess
 
 pytestmark = pytest.mark.integration
 
@@ -72,3 +74,22 @@ def test_a_port_in_use_exits_2_with_one_line_naming_the_port_and_its_flag(
     assert done.stderr.count("\n") == 1, done.stderr  # no traceback, no gRPC log line
     assert f"127.0.0.1:{taken_port}: the port is in use ({flag} {taken_port})" in done.stderr
     assert not (tmp_path / "m.db").exists(), "nothing may start on a port in use"
+
+
+@pytest.mark.parametrize("command", [["status"], ["scale", "--nodes", "2"]])
+def test_status_and_scale_at_a_master_started_alone_say_it_runs_no_job_supervisor(
+    command: list[str], master_process: Callable[..., MasterProcess], tmp_path: Path
+) -> None:
+    master = master_process(f"sqlite:///{tmp_path / 'm.db'}")
+    done = subprocess.run(
+        [sys.executable, "-m", "dlfleet.master", *command, "--master", master.address],
+        env={**os.environ, "DLFLEET_TOKEN": master.token},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"{master.address} is a master without a job supervisor" in done.stderr
+    assert "dlmaster --job-config job.yaml" in done.stderr

@@ -5,7 +5,9 @@
     dlmaster status --master HOST:PORT --token-file FILE
 
 With --job-config, the master's address and the token come from the job's
-workdir (written by the running `dlmaster --job-config`).
+workdir (written by the running `dlmaster --job-config`). A master started
+alone (`dlmaster --port ...`) runs no job supervisor, so it answers neither:
+`--master` at one is told so, and where to look instead.
 
 Runs in its own short-lived process, a client of the running job: the
 supervisor answers (its Job service, at the address in the job's workdir).
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.client import MasterClient, RetryPolicy
-from dlfleet.api.errors import DlfleetError
+from dlfleet.api.errors import DlfleetError, Unimplemented
 from dlfleet.api.status_document import status_document
 from dlfleet.master.job.display import status_lines
 from dlfleet.master.job.jobconfig import load_job_config
@@ -43,6 +45,20 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--json", action="store_true", help="print the status as JSON")
         c.add_argument("--tls-ca", type=Path, help="PEM root certificate of a TLS master")
     return p
+
+
+def no_supervisor(command: str, master: str) -> str:
+    """What `dlmaster status|scale` says to a master that serves no Job service."""
+    instead = (
+        "its status is at /api/v1/status of its HTTP endpoint (--http-port)"
+        if command == "status"
+        else "its node range is its --min-nodes and --max-nodes"
+    )
+    return (
+        f"dlmaster {command}: {master} is a master without a job supervisor: `dlmaster "
+        f"{command}` is served only by a job run with `dlmaster --job-config job.yaml` (pass "
+        f"that job.yaml as --job-config here); for a master started alone, {instead}"
+    )
 
 
 def control_main(argv: list[str]) -> int:
@@ -75,6 +91,9 @@ def control_main(argv: list[str]) -> int:
                 print(f"scaled from {answer.previous} to {answer.nodes} nodes")
                 return 0
             status = client.job_status()
+        except Unimplemented:
+            print(no_supervisor(args.command, master), file=sys.stderr)
+            return 1
         except DlfleetError as exc:
             print(f"dlmaster {args.command}: {exc}", file=sys.stderr)
             return 1
