@@ -201,3 +201,26 @@ def test_a_loopback_address_in_a_job_on_several_machines_is_refused_naming_the_f
         assert code != 0, run.tail()
         assert "--local-addr" in run.text() and "loopback" in run.text(), run.tail()
     assert not members(master), master.tail()
+
+
+def test_a_store_published_where_a_node_cannot_reach_it_ends_that_node_naming_the_address(
+    lab: NetLab, job: Path
+) -> None:
+    """Node a names an address no other machine reaches (--local-addr 10.77.0.9)
+    and leads the round: node b says so within the probe's bound, instead of
+    waiting on it until the process group's timeout."""
+    start_master(lab)
+    command = readme_commands()["dlworker"]
+    script = [str(SCRIPTS / "allreduce_steps.py"), str(job), "5", "0.05"]
+    flagged = [*command[:-1], "--local-addr", "10.77.0.9", *script]
+    leader = Output("node a", lab.popen("a", flagged, env()))
+    leader.wait_for(r"this node's address: 10\.77\.0\.9", timeout=60)
+    leader.wait_for(r"waiting \d+s for a round", timeout=30)  # joined first: it leads
+    other = Output("node b", lab.popen("b", [*command[:-1], *script], env()))
+    code = other.wait_exit(90)
+    assert code != 0, other.tail()
+    said = re.search(
+        r"cannot reach its round's process-group store at 10\.77\.0\.9:\d+", other.text()
+    )
+    assert said, other.tail()
+    assert "--local-addr" in other.text(), other.tail()

@@ -66,6 +66,7 @@ from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.agent.store_probe import StoreProbe
 from dlfleet.worker.agent.watchdog import StepPace
 from dlfleet.worker.agent.workers import (
     GroupStatus,
@@ -237,6 +238,7 @@ class Agent:
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
         self.helper: CheckHelper | None = None
         self._warm_start_due = False
+        self.store_probe: StoreProbe | None = None
 
     # ---------------------------------------------------------------- life
 
@@ -284,6 +286,8 @@ class Agent:
             self._stop_workers()
             self._leave(phase)
             self.helper.close()
+            if self.store_probe is not None:
+                self.store_probe.stop()
             self.orders.close()
             self.server.stop()
             self.keeper.close()
@@ -470,6 +474,13 @@ class Agent:
             assignment.bootstrap_port,
         )
         self._envs = self._environments(assignment, phase.restart_count)
+        if self.store_probe is not None:
+            self.store_probe.stop()
+        self.store_probe = (
+            StoreProbe(assignment.bootstrap_host, assignment.bootstrap_port).start()
+            if assignment.group_rank != 0
+            else None
+        )
         self.progress_dir = attempt_log_dir(self.log_dir, assignment.round) / "progress"
         self._paces.clear()  # each round learns its own pace
         self.progress_dir.mkdir(parents=True, exist_ok=True)
@@ -554,6 +565,10 @@ class Agent:
             event = None
         if self.preempted.is_set():
             return Preempted()
+        if self.store_probe is not None and self.store_probe.problem:
+            _log.error("%s", self.store_probe.problem)
+            self._stop_workers()
+            return Failed(None, self.store_probe.problem, EXIT_NODE_LOST)
         if event is not None and event.HasField("re_rendezvous"):
             push = event.re_rendezvous
             if push.closed_round >= phase.assignment.round:
