@@ -1,5 +1,11 @@
 """A ledger job on the kubernetes platform, and helpers to look at its Pods
-(shared by the kube tests)."""
+(shared by the kube tests).
+
+The master runs here, as a process of this machine (save where a test runs it
+in a Pod): the worker Pods, each a machine of its own, reach it at the test
+kubelet's host address on their network. The job's directory (the ledger,
+the job.yaml) is a hostPath volume of the Pods, mounted where it lies here,
+as a shared filesystem would be."""
 
 from __future__ import annotations
 
@@ -27,29 +33,46 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def kube_settings(namespace: str, kubeconfig: Path, port: int, **extra: Any) -> dict[str, Any]:
+def shared_volume(path: Path, name: str = "shared") -> tuple[dict[str, Any], dict[str, Any]]:
+    """A hostPath volume of `path` and its mount at the same path."""
+    return {"name": name, "hostPath": {"path": str(path)}}, {"name": name, "mountPath": str(path)}
+
+
+def kube_settings(
+    namespace: str, kubeconfig: Path, port: int, host: str, shared: Path, **extra: Any
+) -> dict[str, Any]:
+    volume, mount = shared_volume(shared)
     return {
         "platform": "kubernetes",
-        "master": {"host": "127.0.0.1", "port": port},
+        "master": {"host": host, "port": port},
         "kubernetes": {
             "image": "dlfleet-train:test",  # the test kubelet runs the command here
             "namespace": namespace,
             "kubeconfig": str(kubeconfig),
             "worker_command": AGENT,
-            "master_address": f"127.0.0.1:{port}",  # no cluster DNS here
+            "master_address": f"{host}:{port}",  # the master is not in a Pod
             "resources": {"requests": {"cpu": "100m", "memory": "512Mi"},
                           "limits": {"memory": "512Mi"}},
             "termination_grace_s": 5,
+            "volumes": [volume],
+            "volume_mounts": [mount],
             **extra,
         },
     }  # fmt: skip
 
 
 class KubeJob(JobProcess):
-    """A ledger job on the kubernetes platform."""
+    """A ledger job on the kubernetes platform, its master listening on
+    `host` (the kubelet's `host_ip`)."""
 
     def __init__(
-        self, root: Path, namespace: str, kubeconfig: Path, args: list[str], **settings: Any
+        self,
+        root: Path,
+        namespace: str,
+        kubeconfig: Path,
+        host: str,
+        args: list[str],
+        **settings: Any,
     ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.ledger = root / "ledger"
@@ -73,7 +96,7 @@ class KubeJob(JobProcess):
                 # The data is small: a replacement that checks itself first
                 # (seconds) could find the job done. One test turns it on.
                 "node_check": {"enabled": False},
-                **kube_settings(namespace, kubeconfig, self.port, **kube_extra),
+                **kube_settings(namespace, kubeconfig, self.port, host, root, **kube_extra),
                 **settings,
             },
         )  # fmt: skip

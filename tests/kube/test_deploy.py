@@ -103,7 +103,7 @@ def test_the_role_is_enough_for_a_job_and_no_more(
         namespace, {"metadata": {"name": "kjob-token"}, "stringData": {"token": token}}
     )
     job = KubeJob(
-        tmp_path / "job", namespace, as_master, ["--sleep-per-step", "0.02"],
+        tmp_path / "job", namespace, as_master, kubelet.host_ip, ["--sleep-per-step", "0.02"],
         token=token, kube={"token_secret": {"name": "kjob-token", "key": "token"}},
     )  # fmt: skip
     job.start()

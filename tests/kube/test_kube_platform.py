@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube.kube_jobs import QUICKSTART, KubeJob, free_port, pods, running_pods, wait
+from kube.kube_jobs import (
+    QUICKSTART,
+    KubeJob,
+    free_port,
+    pods,
+    running_pods,
+    shared_volume,
+    wait,
+)
 from kubernetes import client as k8s
 from kubetest.cluster import KubeCluster
 from kubetest.kubelet import TestKubelet
@@ -31,7 +39,9 @@ def api(kube_cluster: KubeCluster) -> Iterator[Any]:
 
 
 @pytest.fixture
-def make_job(tmp_path: Path, namespace: str, kube_cluster: KubeCluster) -> Iterator[Any]:
+def make_job(
+    tmp_path: Path, namespace: str, kube_cluster: KubeCluster, kubelet: TestKubelet
+) -> Iterator[Any]:
     jobs: list[KubeJob] = []
 
     def make(args: list[str], kubeconfig: Path | None = None, **settings: Any) -> KubeJob:
@@ -39,6 +49,7 @@ def make_job(tmp_path: Path, namespace: str, kube_cluster: KubeCluster) -> Itera
             tmp_path / f"job{len(jobs)}",
             namespace,
             kubeconfig or kube_cluster.kubeconfig_path,
+            kubelet.host_ip,
             args,
             **settings,
         )
@@ -152,16 +163,23 @@ def test_a_restarted_master_pod_continues_the_job(
     tmp_path: Path, api: Any, namespace: str, kubelet: TestKubelet, kube_cluster: KubeCluster
 ) -> None:
     """The master as deploy/ runs it: a Kubernetes Job whose Pod reads its
-    job.yaml from a ConfigMap. Its Pod is killed mid-job; the Job controller
-    starts another, which continues from the durable store (a SQLite file on
-    a volume: a path of this machine here), adopts the worker Pods, and
-    finishes the job with exact data. The workers are owned by the Job."""
+    job.yaml from a ConfigMap, and whose headless Service the workers dial by
+    name. Its Pod is killed mid-job; the Job controller starts another (at
+    another address, which the Service's name follows), which continues from
+    the durable store (a SQLite file on a hostPath volume), adopts the worker
+    Pods, and finishes the job with exact data. The workers are owned by the
+    Job."""
+    root = tmp_path / "job"
     job = KubeJob(
-        tmp_path / "job", namespace, kube_cluster.kubeconfig_path,
+        root, namespace, kube_cluster.kubeconfig_path, "0.0.0.0",
         ["--sleep-per-step", "0.06", "--checkpoint-every", "4"],
-        workdir=str(tmp_path / "work"),
-        state_store=f"sqlite:///{tmp_path / 'state.db'}",
+        workdir=str(root / "work"),
+        state_store=f"sqlite:///{root / 'state.db'}",
+        kube={"master_address": None},  # <service>.<namespace>.svc:<port>
     )  # fmt: skip
+    shared, shared_mount = shared_volume(root)
+    # The kubeconfig and its CA file (the apiserver is at 127.0.0.1 in a Pod too).
+    control, control_mount = shared_volume(kube_cluster.work_dir, "control-plane")
     job_yaml = job.config.read_text()
     core: Any = k8s.CoreV1Api(api)  # dict bodies; fields read as Any
     batch: Any = k8s.BatchV1Api(api)
@@ -185,9 +203,11 @@ def test_a_restarted_master_pod_continues_the_job(
                                         "--job-config", "/etc/dlfleet/job/job.yaml"],
                             "env": [{"name": "POD_NAME",
                                      "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                            "volumeMounts": [{"name": "job", "mountPath": "/etc/dlfleet/job"}],
+                            "volumeMounts": [{"name": "job", "mountPath": "/etc/dlfleet/job"},
+                                             shared_mount, control_mount],
                         }],
-                        "volumes": [{"name": "job", "configMap": {"name": "kjob-config"}}],
+                        "volumes": [{"name": "job", "configMap": {"name": "kjob-config"}},
+                                    shared, control],
                     },
                 },
             },
@@ -198,7 +218,8 @@ def test_a_restarted_master_pod_continues_the_job(
         found = core.list_namespaced_pod(namespace, label_selector="dlfleet.io/role=master")
         return [p for p in found.items if p.status.phase == "Running"]
 
-    first = wait(master_pods, "the master pod running", 60)[0].metadata.name
+    first_pod = wait(master_pods, "the master pod running", 60)[0]
+    first = first_pod.metadata.name
     try:
         wait(lambda: len(running_pods(api, namespace)) == 2, "2 worker pods", 60)
     except AssertionError:
@@ -208,9 +229,11 @@ def test_a_restarted_master_pod_continues_the_job(
         assert (owner.kind, owner.name) == ("Job", "kjob-master")
     job.wait_for(lambda: job.steps_logged() >= 2 * 8, "8 steps of 2 ranks")
     kubelet.kill(namespace, first)  # the supervisor, and the master with it
-    second = wait(
+    second_pod = wait(
         lambda: [p for p in master_pods() if p.metadata.name != first], "a new master pod", 60
-    )[0].metadata.name
+    )[0]
+    second = second_pod.metadata.name
+    assert second_pod.status.pod_ip != first_pod.status.pod_ip
 
     def job_done() -> bool:
         status = batch.read_namespaced_job_status("kjob-master", namespace).status
@@ -260,7 +283,9 @@ def test_the_quickstart_runs_as_pods_through_a_deleted_pod(
     job = make_job([])
     settings = json.loads(job.config.read_text())
     settings["command"] = str(QUICKSTART / "train.py")
-    settings["args"] = ["--epochs", "4", "--checkpoint-every", "5"]
+    # Persisted where both Pods see it: the job's directory, their shared volume.
+    checkpoints = str(job.root / "checkpoints")
+    settings["args"] = ["--epochs", "4", "--checkpoint-every", "5", "--checkpoint-dir", checkpoints]
     job.config.write_text(json.dumps(settings))
     job.start()
     wait(lambda: len(running_pods(api, namespace)) == 2, "2 running pods")

@@ -1,13 +1,17 @@
 """The Kubernetes test environment itself: a real control plane (etcd,
 kube-apiserver, controller-manager, scheduler) and the test kubelet that runs
-Pods as local processes, so that the Kubernetes platform's tests can rely on
-both."""
+Pods as local processes, each a machine of its own (address, hostname,
+loopback, /tmp, /dev/shm, names of Services), so that the Kubernetes
+platform's tests can rely on both."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubetest import KubeCluster, TestKubelet, wait_until
+from kubetest import KubeCluster, PodNetwork, TestKubelet, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.kube]
 
@@ -92,7 +96,11 @@ def test_pod_command_runs_and_the_pod_succeeds_with_exit_code_0(
     pod = finished(core, namespace, "hello")
 
     assert pod.spec.node_name == kubelet.node_name
-    assert (pod.status.phase, pod.status.pod_ip) == ("Succeeded", "127.0.0.1")
+    assert pod.status.phase == "Succeeded"
+    assert (pod.status.host_ip, pod.status.pod_ip) == (
+        kubelet.host_ip,
+        kubelet.pod_ip(namespace, "hello"),
+    )
     assert (terminated(pod).exit_code, terminated(pod).reason) == (0, "Completed")
     assert kubelet.log_path(namespace, "hello").read_text() == "hello\n"
 
@@ -186,9 +194,10 @@ def test_env_from_field_refs_config_maps_and_secrets_reaches_the_process(
     )
     core.create_namespaced_pod(namespace, manifest)
 
-    assert finished(core, namespace, "envy").status.phase == "Succeeded"
+    pod = finished(core, namespace, "envy")
+    assert pod.status.phase == "Succeeded"
     logged = kubelet.log_path(namespace, "envy").read_text()
-    assert logged == f"envy {namespace} 127.0.0.1 fast hunter2 hi envy\n"
+    assert logged == f"envy {namespace} {pod.status.pod_ip} fast hunter2 hi envy\n"
     recorded = kubelet.resources(namespace, "envy")
     assert (recorded.requests, recorded.limits) == (resources["requests"], resources["limits"])
 
@@ -337,3 +346,161 @@ def test_kubectl_checks_manifests_with_a_server_side_dry_run(
     assert accepted.returncode == 0, accepted.stderr
     assert rejected.returncode != 0
     assert "Invalid value" in rejected.stderr
+
+
+# ------------------------------------------------ each Pod a machine of its own
+
+MACHINE = """
+import json, os, socket, sys
+host_ip, loopback_port = sys.argv[1], int(sys.argv[2])
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((host_ip, 9))  # picks the route, sends nothing
+try:
+    socket.create_connection(("127.0.0.1", loopback_port), timeout=2).close()
+    host_loopback = "reached"
+except OSError:
+    host_loopback = "unreachable"
+before = sorted(os.listdir("/tmp"))
+open("/tmp/" + socket.gethostname(), "w").close()
+shm = os.statvfs("/dev/shm")
+print(json.dumps({"hostname": socket.gethostname(), "address": probe.getsockname()[0],
+                  "tmp": before, "shm": shm.f_blocks * shm.f_frsize,
+                  "host_loopback": host_loopback}))
+"""
+
+
+def machine_pod(name: str, kubelet: TestKubelet, port: int, **spec: Any) -> Json:
+    argv = [sys.executable, "-c", MACHINE, kubelet.host_ip, str(port)]
+    return pod_manifest(name, argv, **spec)
+
+
+def test_each_pod_has_its_own_address_hostname_loopback_tmp_and_dev_shm(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    with (
+        tempfile.NamedTemporaryFile(dir="/tmp", prefix="kubetest-host-") as marker,
+        socket.socket() as listener,  # on this machine's loopback, not a Pod's
+    ):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        core.create_namespaced_pod(namespace, machine_pod("plain", kubelet, port))
+        shm_volume = {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "100Mi"}}
+        core.create_namespaced_pod(
+            namespace,
+            machine_pod(
+                "roomy", kubelet, port, hostname="node-7", volumes=[shm_volume],
+                container={"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]},
+            ),
+        )  # fmt: skip
+        pods = {name: finished(core, namespace, name) for name in ("plain", "roomy")}
+    seen = {
+        name: json.loads(kubelet.log_path(namespace, name).read_text().splitlines()[-1])
+        for name in pods
+    }
+    for name, pod in pods.items():
+        assert pod.status.phase == "Succeeded", kubelet.log_path(namespace, name).read_text()
+        assert seen[name]["address"] == pod.status.pod_ip != "127.0.0.1"
+        assert seen[name]["host_loopback"] == "unreachable"
+        # Its own /tmp: neither this machine's nor the other Pod's.
+        assert not {Path(marker.name).name, "plain", "node-7"} & set(seen[name]["tmp"])
+    assert pods["plain"].status.pod_ip != pods["roomy"].status.pod_ip
+    assert (seen["plain"]["hostname"], seen["roomy"]["hostname"]) == ("plain", "node-7")
+    assert (seen["plain"]["shm"], seen["roomy"]["shm"]) == (64 * 2**20, 100 * 2**20)
+
+
+ECHO = """
+import socket, sys
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+while True:
+    conn, _ = server.accept()
+    conn.sendall(socket.gethostname().encode())
+    conn.close()
+"""
+
+DIAL = """
+import socket, sys, time
+deadline = time.monotonic() + 20
+for target in sys.argv[2:]:
+    while True:
+        try:
+            with socket.create_connection((target, int(sys.argv[1])), timeout=2) as conn:
+                print(target, conn.recv(100).decode(), flush=True)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                print(target, "failed:", exc, flush=True)
+                break
+            time.sleep(0.2)
+"""
+
+
+def test_pods_reach_each_other_by_address_and_services_by_name(
+    kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    core.create_namespaced_service(
+        namespace,
+        {"metadata": {"name": "echo"},
+         "spec": {"clusterIP": "None", "selector": {"app": "echo"},
+                  "ports": [{"port": 7000}]}},
+    )  # fmt: skip
+    server = pod_manifest(
+        "echo-server", [sys.executable, "-c", ECHO, "7000"], hostname="srv", subdomain="echo"
+    )
+    server["metadata"]["labels"] = {"app": "echo"}
+    core.create_namespaced_pod(namespace, server)
+    started(core, kubelet, namespace, "echo-server")
+    server_ip = core.read_namespaced_pod("echo-server", namespace).status.pod_ip
+    names = ["echo", f"echo.{namespace}.svc", f"srv.echo.{namespace}.svc.cluster.local", server_ip]
+    core.create_namespaced_pod(
+        namespace, pod_manifest("dialer", [sys.executable, "-c", DIAL, "7000", *names])
+    )
+
+    assert finished(core, namespace, "dialer").status.phase == "Succeeded"
+    lines = kubelet.log_path(namespace, "dialer").read_text().splitlines()
+    assert lines == [f"{name} srv" for name in names]
+
+
+def test_a_pod_reaches_the_apiserver_at_its_address_on_this_machine(
+    kube_cluster: KubeCluster, kubelet: TestKubelet, namespace: str, core: Any
+) -> None:
+    work = str(kube_cluster.work_dir)  # the kubeconfig and its CA, under /tmp
+    command = [str(kube_cluster.binaries.kubectl), f"--kubeconfig={kube_cluster.kubeconfig_path}",
+               "get", "namespace", namespace, "-o", "name"]  # fmt: skip
+    manifest = pod_manifest(
+        "asks", command, volumes=[{"name": "control", "hostPath": {"path": work}}],
+        container={"volumeMounts": [{"name": "control", "mountPath": work}]},
+    )  # fmt: skip
+    core.create_namespaced_pod(namespace, manifest)
+
+    pod = finished(core, namespace, "asks")
+    log = kubelet.log_path(namespace, "asks").read_text()
+    assert (pod.status.phase, log) == ("Succeeded", f"namespace/{namespace}\n"), log
+
+
+def test_a_pod_network_removes_what_a_killed_run_left_and_all_of_its_own() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names the leftovers of a run that is gone
+    leftover_netns, leftover_link = f"kubetest-{dead.pid}-dead0-1", "ktbdead0"
+    subprocess.run(["ip", "netns", "add", leftover_netns], check=True)
+    subprocess.run(["ip", "link", "add", leftover_link, "type", "bridge"], check=True)
+    subprocess.run(
+        ["ip", "link", "set", leftover_link, "alias", f"kubetest:{dead.pid}"], check=True
+    )
+
+    network = PodNetwork().open()
+    iface = network.attach()
+    names = netns_and_links()
+    assert leftover_netns not in names and leftover_link not in names
+    assert {iface.netns, iface.host_link, network.bridge} <= names
+    network.close()
+
+    assert not {iface.netns, iface.host_link, network.bridge} & netns_and_links()
+
+
+def netns_and_links() -> set[str]:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    links = subprocess.run(["ip", "-json", "link"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in netns.stdout.splitlines() if line.strip()} | {
+        link["ifname"] for link in json.loads(links.stdout)
+    }

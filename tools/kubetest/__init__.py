@@ -1,6 +1,7 @@
 """Test infrastructure for the Kubernetes platform: a real control plane on
 127.0.0.1 (`KubeCluster`, binaries from scripts/kube_env.sh) and a kubelet
-that runs Pods as local processes (`TestKubelet`). No mock of the API."""
+that runs Pods as local processes, each a machine of its own on a private
+network (`TestKubelet`, `PodNetwork`). No mock of the API."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kubetest.cluster import (
     wait_until,
 )
 from kubetest.kubelet import ContainerResources, KubeletError, PodRef, TestKubelet
+from kubetest.network import NetworkError, PodNetwork
 
 __all__ = [
     "ContainerResources",
@@ -21,6 +23,8 @@ __all__ = [
     "KubeClusterError",
     "KubeEnvMissing",
     "KubeletError",
+    "NetworkError",
+    "PodNetwork",
     "PodRef",
     "TestKubelet",
     "WaitTimeout",

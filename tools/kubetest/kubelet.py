@@ -15,11 +15,22 @@ place, restartCount+1, after `restart_backoff_s`, reporting CrashLoopBackOff
 meanwhile); on deletion sends SIGTERM to the process group, SIGKILL after the
 grace period, then deletes the Pod with grace 0 and a uid precondition.
 
+Each Pod is a machine of its own: its process runs in a network namespace
+with an address of its own on the kubelet's Pod network (`kubetest.network`;
+status.podIP, and the Node's InternalIP is the network's host address), with
+the Pod's hostname, a private /tmp and a /dev/shm of its own
+(`kubetest.sandbox`), and an /etc/hosts that names the Pod and every
+Service's endpoints (`kubetest.names`, kept current). The apiserver is
+reachable in each Pod where it is on this machine, 127.0.0.1:<port>
+(`kubetest.relay`). The namespace lives as long as the Pod's runner: across
+restarts in place, like a Pod sandbox.
+
 What it does not: init containers and all but the first container are
 ignored; images, probes, resource limits (recorded, see `resources()`, not
-enforced) and securityContext are ignored; every Pod's IP is 127.0.0.1; the
-process inherits the kubelet's environment (less KUBECONFIG) plus the pod's
-env, KUBETEST_POD_DIR, HOSTNAME and KUBERNETES_SERVICE_HOST/PORT.
+enforced) and securityContext are ignored; the process sees this machine's
+filesystem (save /tmp and /dev/shm) and inherits the kubelet's environment
+(less KUBECONFIG) plus the pod's env, KUBETEST_POD_DIR, HOSTNAME and
+KUBERNETES_SERVICE_HOST/PORT.
 
 Threads: one watch thread, one heartbeat thread, one runner thread per Pod
 (it starts the process, so the process's parent-death signal fires when the
@@ -30,6 +41,7 @@ runner, hence the kubelet, goes away). State shared between them lives in
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -49,9 +61,12 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from dlfleet.api.processes import die_with_parent
-from kubetest import status
+from kubetest import sandbox, status
 from kubetest.cluster import KUBE_VERSION
+from kubetest.names import Endpoint, PodName, ServiceNames, hosts_file, write_in_place
+from kubetest.network import NetworkError, PodInterface, PodNetwork
 from kubetest.podspec import (
+    Addresses,
     ContainerConfigError,
     Json,
     Launch,
@@ -61,10 +76,11 @@ from kubetest.podspec import (
     first_container,
     inherited_env,
 )
+from kubetest.relay import ApiRelay
 
 LOG = logging.getLogger("kubetest.kubelet")
 
-LOCAL_IP = status.LOCAL_IP
+LOCAL_IP = "127.0.0.1"
 NODE_CAPACITY: Mapping[str, str] = {
     "cpu": "16",
     "memory": "64Gi",
@@ -120,24 +136,22 @@ class _Run:
     kill_deadline: float | None = None  # monotonic time of the SIGKILL
     finished: bool = False  # the runner is done; no process will start
     deleted: bool = False  # the Pod object is gone
+    iface: PodInterface | None = None  # its network namespace, while it has one
+    pod_ip: str | None = None  # its address, kept after the namespace goes
     wake: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def hosts_path(self) -> Path:
+        return self.pod_dir / "etc-hosts"
+
+    def name(self, ip: str) -> PodName:
+        spec = self.pod["spec"]
+        hostname = spec.get("hostname") or self.ref.name
+        return PodName(self.ref.namespace, ip, hostname, spec.get("subdomain") or "")
 
 
 def _container_id(run: _Run) -> str:
     return f"kubetest://{run.uid}/{run.restart_count}"
-
-
-def _pod_status(
-    run: _Run, phase: str, state: Json | None, ready: bool = False, eviction: str | None = None
-) -> Json:
-    container = status.ContainerRun(
-        container=first_container(run.pod),
-        container_id=_container_id(run),
-        restart_count=run.restart_count,
-        state=state,
-        last_terminated=run.last_terminated,
-    )
-    return status.pod_status(phase, run.start_time, container, ready=ready, eviction=eviction)
 
 
 def _signal_group(process: subprocess.Popen[bytes] | None, sig: int) -> None:
@@ -149,8 +163,11 @@ def _signal_group(process: subprocess.Popen[bytes] | None, sig: int) -> None:
 class TestKubelet:
     """A kubelet for the Node `node_name`, talking to the apiserver with
     `kubeconfig` (which needs rights on nodes, leases, pods, pods/status,
-    configmaps and secrets: the admin's). Logs of a Pod's process go to
-    `<work_dir>/<namespace>_<pod>.log`; its volumes to `<work_dir>/pods/`."""
+    configmaps, secrets and endpoints: the admin's). Logs of a Pod's process
+    go to `<work_dir>/<namespace>_<pod>.log`; its volumes to
+    `<work_dir>/pods/`. Its Pods join `network` (shared by kubelets whose Pods
+    must reach each other), else a network of its own, made at start and
+    deleted at stop. Needs root (`kubetest.network`)."""
 
     __test__ = False  # not a pytest test class
 
@@ -165,6 +182,7 @@ class TestKubelet:
         heartbeat_s: float = 5.0,
         restart_backoff_s: float = 1.0,
         delete_node_on_stop: bool = True,
+        network: PodNetwork | None = None,
     ) -> None:
         self.kubeconfig = Path(kubeconfig)
         self.node_name = node_name
@@ -183,28 +201,42 @@ class TestKubelet:
         self._api: Any = None
         self._base_env: dict[str, str] = {}
         self._registered_at = status.now()
+        self._network = network
+        self._own_network = network is None
+        self._relay: ApiRelay | None = None
+        self._names: ServiceNames | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
         """Register the Node, start the Pods already bound to it, then watch."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        if self._network is None:
+            try:
+                self._network = PodNetwork().open()
+            except NetworkError as exc:
+                raise KubeletError(f"{self.node_name}: no Pod network: {exc}") from None
         self._api = config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(self.kubeconfig), persist_config=False
         )
         self._api.configuration.connection_pool_maxsize = 32
         server = urllib.parse.urlsplit(self._api.configuration.host)
+        api_host, api_port = server.hostname or LOCAL_IP, server.port or 443
+        if _is_loopback(api_host):  # a Pod's loopback is its own: relay it there
+            self._relay = ApiRelay(api_host, api_port)
         self._base_env = {
             **inherited_env(),
-            "KUBERNETES_SERVICE_HOST": server.hostname or LOCAL_IP,
-            "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+            "KUBERNETES_SERVICE_HOST": api_host,
+            "KUBERNETES_SERVICE_PORT": str(api_port),
         }
         # Typed Any: bodies here are plain JSON dicts, which the client accepts
         # (it validates them into its models) but its annotations do not say
         # so; and `_preload_content=False` returns the raw HTTP response.
         self._core: Any = client.CoreV1Api(self._api)
         self._coordination: Any = client.CoordinationV1Api(self._api)
+        self._names = ServiceNames(self._core, self._names_changed)
         self._register_node()
+        self._names.start()
         resource_version = self._relist()
         for name, target, args in (
             ("heartbeat", self._heartbeat_loop, ()),
@@ -233,6 +265,14 @@ class TestKubelet:
         deadline = time.monotonic() + timeout_s
         for thread in [*(run.thread for run in runs if run.thread), *self._threads]:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self._names is not None:
+            self._names.stop()
+        for run in runs:
+            self._release_sandbox(run)  # those whose runner did not end in time
+        if self._relay is not None:
+            self._relay.close_all()
+        if self._own_network and self._network is not None:
+            self._network.close()
         if self.delete_node_on_stop:
             with contextlib.suppress(ApiException, *NETWORK_ERRORS):
                 self._core.delete_node(self.node_name, _request_timeout=10)
@@ -246,6 +286,20 @@ class TestKubelet:
         self.stop()
 
     # -- test controls -------------------------------------------------------
+
+    @property
+    def host_ip(self) -> str:
+        """This machine's address on the Pod network (the Node's InternalIP):
+        what a Pod dials to reach a process of the host."""
+        if self._network is None:
+            raise KubeletError(f"{self.node_name} is not started")
+        return self._network.host_ip
+
+    def pod_ip(self, namespace: str, pod: str) -> str | None:
+        """The Pod's address (status.podIP), None before it has one."""
+        with self._lock:
+            run = self._find(namespace, pod)
+            return run.pod_ip if run is not None else None
 
     def running(self) -> list[PodRef]:
         """The Pods whose process is alive now."""
@@ -314,7 +368,9 @@ class TestKubelet:
     # -- node ----------------------------------------------------------------
 
     def _node_status(self) -> Json:
-        return status.node_status(self.node_name, self.capacity, self._registered_at, KUBE_VERSION)
+        return status.node_status(
+            self.node_name, self.capacity, self._registered_at, KUBE_VERSION, self.host_ip
+        )
 
     def _register_node(self) -> None:
         labels = {
@@ -327,9 +383,7 @@ class TestKubelet:
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": self.node_name, "labels": labels},
-            "status": status.node_status(
-                self.node_name, self.capacity, self._registered_at, KUBE_VERSION
-            ),
+            "status": self._node_status(),
         }
         try:
             self._core.create_node(node)
@@ -369,13 +423,7 @@ class TestKubelet:
             }
             self._coordination.create_namespaced_lease(LEASE_NAMESPACE, lease)
         self._core.patch_node_status(
-            self.node_name,
-            {
-                "status": status.node_status(
-                    self.node_name, self.capacity, self._registered_at, KUBE_VERSION
-                )
-            },
-            _content_type=MERGE_PATCH,
+            self.node_name, {"status": self._node_status()}, _content_type=MERGE_PATCH
         )
 
     def _heartbeat_loop(self) -> None:
@@ -545,12 +593,43 @@ class TestKubelet:
         try:
             self._run_until_done(run)
         finally:
+            self._release_sandbox(run)
             with self._lock:
                 run.finished = True
                 run.process = None
                 finish = run.deleting and not run.deleted and not self._stopping.is_set()
             if finish:
                 self._finish_deletion(run)
+
+    def _make_sandbox(self, run: _Run) -> PodInterface:
+        """The Pod's network namespace, its /etc/hosts and its apiserver relay."""
+        assert self._network is not None and self._names is not None
+        iface = self._network.attach()
+        with self._lock:
+            run.iface, run.pod_ip = iface, iface.ip
+        run.pod_dir.mkdir(parents=True, exist_ok=True)
+        write_in_place(run.hosts_path, hosts_file(run.name(iface.ip), self._names.current()))
+        if self._relay is not None:
+            self._relay.serve(iface.netns_path)
+        return iface
+
+    def _release_sandbox(self, run: _Run) -> None:
+        with self._lock:
+            iface, run.iface = run.iface, None
+        if iface is None:
+            return
+        if self._relay is not None:
+            self._relay.close(iface.netns_path)
+        assert self._network is not None
+        self._network.detach(iface)
+
+    def _names_changed(self, endpoints: frozenset[Endpoint]) -> None:
+        """Rewrite every Pod's /etc/hosts (from the names thread)."""
+        with self._lock:
+            pods = [(run, run.iface) for run in self._runs.values() if run.iface is not None]
+        for run, iface in pods:
+            with contextlib.suppress(FileNotFoundError):
+                write_in_place(run.hosts_path, hosts_file(run.name(iface.ip), endpoints))
 
     def _run_until_done(self, run: _Run) -> None:
         while True:
@@ -560,16 +639,27 @@ class TestKubelet:
                 eviction = run.eviction_message
             if eviction is not None:
                 last = {"terminated": run.last_terminated} if run.last_terminated else None
-                self._report(run, _pod_status(run, "Failed", last, eviction=eviction))
+                self._report(run, self._status(run, "Failed", last, eviction=eviction))
                 return
             try:
-                launch = build_launch(run.pod, run.pod_dir, self._sources(), self._base_env)
-            except ContainerConfigError as exc:
-                waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
-                self._report(run, _pod_status(run, "Pending", waiting))
+                iface = run.iface or self._make_sandbox(run)
+            except NetworkError as exc:
+                message = f"creating the Pod's sandbox: {exc}"
+                waiting = {"waiting": {"reason": "ContainerCreating", "message": message}}
+                self._report(run, self._status(run, "Pending", waiting))
                 self._pause(run, CONFIG_RETRY_S)
                 continue
-            code = self._run_process(run, launch)
+            addresses = Addresses(pod_ip=iface.ip, host_ip=self.host_ip)
+            try:
+                launch = build_launch(
+                    run.pod, run.pod_dir, self._sources(), self._base_env, addresses
+                )
+            except ContainerConfigError as exc:
+                waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
+                self._report(run, self._status(run, "Pending", waiting))
+                self._pause(run, CONFIG_RETRY_S)
+                continue
+            code = self._run_process(run, iface, launch)
             if code is None:
                 return
             with self._lock:
@@ -584,22 +674,50 @@ class TestKubelet:
                 phase = "Failed"
             state = {"terminated": terminated}
             if eviction is not None or deleting or phase != "Running":
-                self._report(run, _pod_status(run, phase, state, eviction=eviction))
+                self._report(run, self._status(run, phase, state, eviction=eviction))
                 return
             run.last_terminated = terminated
             run.restart_count += 1
             message = f"back-off {self.restart_backoff_s:g}s restarting failed container"
             waiting = {"waiting": {"reason": "CrashLoopBackOff", "message": message}}
-            self._report(run, _pod_status(run, "Running", waiting))
+            self._report(run, self._status(run, "Running", waiting))
             self._pause(run, self.restart_backoff_s)
 
     def _pause(self, run: _Run, seconds: float) -> None:
         run.wake.wait(seconds)
         run.wake.clear()
 
-    def _run_process(self, run: _Run, launch: Launch) -> int | None:
+    def _status(
+        self,
+        run: _Run,
+        phase: str,
+        state: Json | None,
+        ready: bool = False,
+        eviction: str | None = None,
+    ) -> Json:
+        container = status.ContainerRun(
+            container=first_container(run.pod),
+            container_id=_container_id(run),
+            restart_count=run.restart_count,
+            state=state,
+            last_terminated=run.last_terminated,
+        )
+        return status.pod_status(
+            phase, run.start_time, container, pod_ip=run.pod_ip, host_ip=self.host_ip,
+            ready=ready, eviction=eviction,
+        )  # fmt: skip
+
+    def _run_process(self, run: _Run, iface: PodInterface, launch: Launch) -> int | None:
         """Start the process, report it Running, wait for its end. Returns its
         exit code, or None when it was not started (deleted, evicted, stopping)."""
+        box = sandbox.Sandbox(
+            netns=str(iface.netns_path),
+            hostname=run.name(iface.ip).hostname,
+            hosts_file=str(run.hosts_path),
+            cwd=str(launch.cwd),
+            shm_bytes=launch.shm_bytes,
+            host_paths=tuple(str(path) for path in launch.host_paths),
+        )
         run.log_path.parent.mkdir(parents=True, exist_ok=True)
         with run.log_path.open("ab") as log, self._lock:
             if self._stopping.is_set() or run.deleting or run.eviction_message is not None:
@@ -607,7 +725,7 @@ class TestKubelet:
             run.started_at = status.now()
             try:
                 run.process = subprocess.Popen(
-                    die_with_parent(launch.argv),
+                    die_with_parent(sandbox.command(box, launch.argv)),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -620,7 +738,7 @@ class TestKubelet:
                 return 128  # what containerd reports for a StartError
             process = run.process
         running = {"running": {"startedAt": run.started_at}}
-        self._report(run, _pod_status(run, "Running", running, ready=True))
+        self._report(run, self._status(run, "Running", running, ready=True))
         while True:
             with self._lock:
                 deadline = run.kill_deadline
@@ -681,3 +799,10 @@ class TestKubelet:
             raise ContainerConfigError(f"reading {namespace}/{name}: {exc.reason}") from exc
         except NETWORK_ERRORS as exc:
             raise ContainerConfigError(f"reading {namespace}/{name}: {exc}") from exc
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

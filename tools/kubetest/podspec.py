@@ -11,6 +11,11 @@ path as its own argument). A workingDir that is neither under a mount nor an
 existing directory is created under `<pod_dir>/rootfs/`. The process also gets
 `KUBETEST_POD_DIR=<pod_dir>`.
 
+The exception is /dev/shm: a memory-backed emptyDir mounted there is the
+size of the tmpfs the Pod gets at /dev/shm (`Launch.shm_bytes`; see
+`kubetest.sandbox`), not a directory. The Pod's own directory and its
+hostPath volumes are the host paths it needs to see (`Launch.host_paths`).
+
 Pods are JSON dicts as the API serves them (camelCase keys).
 """
 
@@ -24,17 +29,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kubernetes.utils.quantity import parse_quantity
+
 Json = dict[str, Any]
 V = TypeVar("V")
 
 # (namespace, name) -> data, or None when the object does not exist.
 ConfigMapLookup = Callable[[str, str], Mapping[str, str] | None]
 SecretLookup = Callable[[str, str], Mapping[str, bytes] | None]
+SHM_PATH = "/dev/shm"
+DEFAULT_SHM_BYTES = 64 * 2**20  # a container's /dev/shm
 
 
 class ContainerConfigError(Exception):
     """The container cannot be started as specified (a real kubelet reports
     CreateContainerConfigError and retries)."""
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where the Pod is: the downward API's status.podIP and status.hostIP."""
+
+    pod_ip: str
+    host_ip: str
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,8 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    shm_bytes: int | None = DEFAULT_SHM_BYTES  # None: a tmpfs's default size
+    host_paths: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,12 +78,17 @@ def first_container(pod: Json) -> Json:
     return containers[0]
 
 
-def build_launch(pod: Json, pod_dir: Path, sources: Sources, base_env: Mapping[str, str]) -> Launch:
+def build_launch(
+    pod: Json, pod_dir: Path, sources: Sources, base_env: Mapping[str, str], addresses: Addresses
+) -> Launch:
     """Materialize the volumes under `pod_dir` and translate the first
     container. Raises ContainerConfigError."""
     container = first_container(pod)
+    shm = _memory_shm(pod)
     mounts = _materialize_volumes(pod, pod_dir, sources)
-    pod_env = _container_env(pod, container, sources, mounts)
+    if shm is not None:  # a tmpfs there, not a directory
+        mounts = {path: local for path, local in mounts.items() if path.rstrip("/") != SHM_PATH}
+    pod_env = _container_env(pod, container, sources, mounts, addresses)
     env = {
         **base_env,
         "KUBETEST_POD_DIR": str(pod_dir),
@@ -75,7 +99,42 @@ def build_launch(pod: Json, pod_dir: Path, sources: Sources, base_env: Mapping[s
     if not argv:
         raise ContainerConfigError("kubetest needs an explicit command (images are not run)")
     argv = [rewrite_path(_expand(arg, pod_env), mounts) for arg in argv]
-    return Launch(argv=argv, env=env, cwd=_working_dir(container, pod_dir, mounts))
+    host_paths = [
+        Path(volume["hostPath"]["path"])
+        for volume in pod["spec"].get("volumes") or []
+        if "hostPath" in volume
+    ]
+    return Launch(
+        argv=argv,
+        env=env,
+        cwd=_working_dir(container, pod_dir, mounts),
+        shm_bytes=DEFAULT_SHM_BYTES if shm is None else shm.size_bytes,
+        host_paths=(pod_dir, *host_paths),
+    )
+
+
+@dataclass(frozen=True)
+class _MemoryShm:
+    size_bytes: int | None  # None: no sizeLimit
+
+
+def _memory_shm(pod: Json) -> _MemoryShm | None:
+    """The memory-backed emptyDir the first container mounts at /dev/shm."""
+    volumes = {volume["name"]: volume for volume in pod["spec"].get("volumes") or []}
+    for mount in first_container(pod).get("volumeMounts") or []:
+        empty_dir = volumes.get(mount["name"], {}).get("emptyDir")
+        at_shm = mount["mountPath"].rstrip("/") == SHM_PATH
+        if at_shm and empty_dir is not None and empty_dir.get("medium") == "Memory":
+            limit = empty_dir.get("sizeLimit")
+            return _MemoryShm(None if limit is None else _bytes(limit))
+    return None
+
+
+def _bytes(quantity: str) -> int:
+    try:
+        return int(parse_quantity(quantity))  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ContainerConfigError(f"sizeLimit {quantity!r}: {exc}") from None
 
 
 def rewrite_path(value: str, mounts: Mapping[str, Path]) -> str:
@@ -104,7 +163,11 @@ def _expand(value: str, env: Mapping[str, str]) -> str:
 
 
 def _container_env(
-    pod: Json, container: Json, sources: Sources, mounts: Mapping[str, Path]
+    pod: Json,
+    container: Json,
+    sources: Sources,
+    mounts: Mapping[str, Path],
+    addresses: Addresses,
 ) -> dict[str, str]:
     namespace = pod["metadata"]["namespace"]
     env: dict[str, str] = {}
@@ -119,19 +182,21 @@ def _container_env(
             secret = _required(sources.secret(namespace, ref["name"]), "secret", ref)
             env.update({prefix + key: value.decode() for key, value in secret.items()})
     for var in container.get("env") or []:
-        value = _env_value(pod, var, sources, env)
+        value = _env_value(pod, var, sources, env, addresses)
         if value is not None:
             env[var["name"]] = rewrite_path(value, mounts)
     return env
 
 
-def _env_value(pod: Json, var: Json, sources: Sources, defined: Mapping[str, str]) -> str | None:
+def _env_value(
+    pod: Json, var: Json, sources: Sources, defined: Mapping[str, str], addresses: Addresses
+) -> str | None:
     if "valueFrom" not in var:
         return _expand(var.get("value", ""), defined)
     source = var["valueFrom"]
     namespace = pod["metadata"]["namespace"]
     if "fieldRef" in source:
-        return field_value(pod, source["fieldRef"]["fieldPath"])
+        return field_value(pod, source["fieldRef"]["fieldPath"], addresses)
     if "configMapKeyRef" in source:
         ref = source["configMapKeyRef"]
         data = _required(sources.config_map(namespace, ref["name"]), "configmap", ref)
@@ -144,7 +209,7 @@ def _env_value(pod: Json, var: Json, sources: Sources, defined: Mapping[str, str
     raise ContainerConfigError(f"env {var['name']}: unsupported valueFrom {sorted(source)}")
 
 
-def field_value(pod: Json, field_path: str) -> str:
+def field_value(pod: Json, field_path: str, addresses: Addresses) -> str:
     """The downward API's value of `field_path` for `pod`."""
     meta = pod["metadata"]
     simple = {
@@ -153,8 +218,8 @@ def field_value(pod: Json, field_path: str) -> str:
         "metadata.uid": meta.get("uid"),
         "spec.nodeName": pod["spec"].get("nodeName"),
         "spec.serviceAccountName": pod["spec"].get("serviceAccountName"),
-        "status.podIP": "127.0.0.1",
-        "status.hostIP": "127.0.0.1",
+        "status.podIP": addresses.pod_ip,
+        "status.hostIP": addresses.host_ip,
     }
     if field_path in simple:
         return str(simple[field_path] or "")

@@ -13,8 +13,6 @@ from typing import Any
 
 Json = dict[str, Any]
 
-LOCAL_IP = "127.0.0.1"
-
 
 def now() -> str:
     """metav1.Time: RFC 3339, seconds."""
@@ -71,11 +69,15 @@ def pod_status(
     phase: str,
     start_time: str,
     run: ContainerRun,
+    *,
+    pod_ip: str | None,
+    host_ip: str,
     ready: bool = False,
     eviction: str | None = None,
 ) -> Json:
     """A Pod's status with its one container in `run.state`; `eviction` is the
-    message of a kubelet eviction (reason Evicted)."""
+    message of a kubelet eviction (reason Evicted); `pod_ip` None: it has none
+    yet."""
     at = now()
 
     def condition(kind: str, ok: bool) -> Json:
@@ -87,9 +89,9 @@ def pod_status(
         "phase": phase,
         "reason": "Evicted" if eviction is not None else None,
         "message": eviction,
-        "hostIP": LOCAL_IP,
-        "podIP": LOCAL_IP,
-        "podIPs": [{"ip": LOCAL_IP}],
+        "hostIP": host_ip,
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}] if pod_ip else None,
         "startTime": start_time,
         "conditions": [
             condition("Initialized", True),
@@ -117,9 +119,13 @@ def pod_status(
 
 
 def node_status(
-    node_name: str, capacity: Mapping[str, str], registered_at: str, kubelet_version: str
+    node_name: str,
+    capacity: Mapping[str, str],
+    registered_at: str,
+    kubelet_version: str,
+    host_ip: str,
 ) -> Json:
-    """A Ready node with no pressure, reachable at 127.0.0.1."""
+    """A Ready node with no pressure, reachable at `host_ip`."""
     heartbeat = now()
 
     def condition(kind: str, status: str, reason: str) -> Json:
@@ -142,7 +148,7 @@ def node_status(
             condition("Ready", "True", "KubeletReady"),
         ],
         "addresses": [
-            {"type": "InternalIP", "address": LOCAL_IP},
+            {"type": "InternalIP", "address": host_ip},
             {"type": "Hostname", "address": node_name},
         ],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
