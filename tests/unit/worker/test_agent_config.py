@@ -29,7 +29,10 @@ BASE_ENV = {"DLFLEET_MASTER": "master.local:50051", "DLFLEET_TOKEN": "s3cret"}
 
 def probe(cpus: int = 8, accelerators: int = 0) -> HostProbe:
     return HostProbe(
-        hostname=lambda: "node-a", cpu_count=lambda: cpus, accelerator_count=lambda: accelerators
+        hostname=lambda: "node-a",
+        cpu_count=lambda: cpus,
+        accelerator_count=lambda: accelerators,
+        claim_name_number=lambda job: 0,  # the only agent on its host: test_node_names.py
     )
 
 

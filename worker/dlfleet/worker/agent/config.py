@@ -12,9 +12,11 @@ Invariants:
   it looks like one of our flags (`train.py --lr 0.1 -m x`).
 - Bad input raises `ConfigError` naming the flag (or the variable the value
   came from) and the problem; `config_or_exit` turns that into one line on
-  stderr and exit code 2. Parsing reads the token file and, for
+  stderr and exit code 2. Parsing reads the token file; for
   `--nproc-per-node auto|gpu`, asks torch how many accelerators there are;
-  nothing else touches the machine, and the environment is an argument.
+  and without `--node-name`, once all else is good, takes a number for the
+  default name that this process holds until it ends (`node_names`). Nothing
+  else touches the machine, and the environment is an argument.
 
 Deliberate differences from torchrun: abbreviated flags are not accepted (a
 new flag can never change what an abbreviation means); per-rank maps in
@@ -35,7 +37,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -51,6 +53,7 @@ from dlfleet.api.diagnosis import (
 )
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.address import LOCAL_ADDR_ENVS
+from dlfleet.worker.agent.node_names import SEPARATOR, claim_number, numbered
 from dlfleet.worker.agent.watchdog import DEFAULT_FLOOR_S, Bounds
 
 MASTER_ENV = "DLFLEET_MASTER"
@@ -149,6 +152,9 @@ class HostProbe:
     hostname: Callable[[], str] = socket.gethostname
     cpu_count: Callable[[], int] = _usable_cpus
     accelerator_count: Callable[[], int] = _accelerator_count
+    # job name -> the number this agent's default name takes among the agents
+    # of the job on this host, held from now on (0: the hostname alone).
+    claim_name_number: Callable[[str], int] = claim_number
 
 
 @dataclass(frozen=True)
@@ -351,7 +357,13 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--node-name",
         dest="node_name",
-        help=f"this node's name (default the hostname; env {NODE_NAME_ENV})",
+        help=(
+            f"this node's name (env {NODE_NAME_ENV}); default: the hostname, and for each "
+            f"further dlworker of the job running on this host HOSTNAME{SEPARATOR}1, "
+            f"HOSTNAME{SEPARATOR}2, ... (the lowest number none of them holds: a dlworker "
+            "started again after its predecessor ended takes its name back, and so replaces "
+            "it at the master at once)"
+        ),
     )
     add(
         "--step-timeout",
@@ -602,7 +614,7 @@ def parse_args(
         src.get("diagnosis_rules", "--diagnosis-rules", DIAGNOSIS_RULES_ENV),
     )
 
-    return AgentConfig(
+    config = AgentConfig(
         training_script=str(args.training_script),
         training_script_args=tuple(str(a) for a in args.training_script_args),
         master=master.text.strip(),
@@ -629,6 +641,13 @@ def parse_args(
         diagnosis=diagnosis,
         node_check=node_check,
     )
+    if node is None:
+        # Taken last, once every setting is good: a number is held until the
+        # process ends.
+        number = probe.claim_name_number(config.job_name)
+        if number:
+            config = replace(config, node_name=numbered(config.node_name, number))
+    return config
 
 
 def _diagnosis(switch: _Value | None, rules: _Value | None) -> RuleTable:
