@@ -224,3 +224,26 @@ def test_a_store_published_where_a_node_cannot_reach_it_ends_that_node_naming_th
     )
     assert said, other.tail()
     assert "--local-addr" in other.text(), other.tail()
+
+
+def test_a_persist_location_on_each_machines_own_disk_is_reported_at_start(
+    lab: NetLab, job: Path
+) -> None:
+    """Checkpoints persisted to /tmp/checkpoints: a folder of each machine's
+    own. The first round of the two machines says so, naming the location,
+    before any step is persisted there."""
+    start_master(lab)
+    worker = with_script(
+        readme_commands()["dlworker"],
+        SCRIPTS / "ledger_train.py",
+        "--ledger-dir", str(job / "ledger"), "--checkpoint-dir", "/tmp/checkpoints",
+        "--in-memory", "--persist-every", "2", "--size", "40", "--epochs", "1",
+    )  # fmt: skip
+    nodes = [Output(f"node {host}", lab.popen(host, worker, env())) for host in "ab"]
+    for node in nodes:
+        node.wait_for(
+            r"persist location /tmp/checkpoints/persisted is not shared by every host", timeout=90
+        )
+    for host in "ab":  # nothing half-written on either machine's disk
+        done = lab.run(host, ["sh", "-c", "ls /tmp/checkpoints/persisted 2>/dev/null | wc -l"])
+        assert done.stdout.strip() == "0", done.stdout
