@@ -3,10 +3,13 @@ controller-manager and scheduler) whose Pods the test kubelet runs as local
 processes: `dlmaster --job-config` creates, watches, relaunches, scales and
 deletes worker Pods, and the exactly-once ledger holds through a killed Pod,
 an OOM kill (relaunched with more memory), an eviction, a scale-up from 2 to 3
-Pods, an API server restart, and a restarted master Pod (a Kubernetes Job)."""
+Pods, an API server restart, a restarted master Pod (a Kubernetes Job), and a
+deleted Pod whose replacement restores in-memory checkpoints from its peer
+(each Pod a machine of its own, on its own IP)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 import threading
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e.ledger import read_ledger
 from kube.kube_jobs import (
     QUICKSTART,
     KubeJob,
@@ -298,3 +302,44 @@ def test_the_quickstart_runs_as_pods_through_a_deleted_pod(
     logs = [kubelet.log_path(namespace, p).read_text() for p in ("kjob-node-0-0", "kjob-node-1-1")]
     assert any("done: 4 epochs" in log for log in logs), logs
     assert pods(api, namespace) == []
+
+
+def test_ddp_across_pods_on_their_own_ips_restores_a_deleted_pods_replacement_from_memory(
+    make_job: Any, api: Any, namespace: str, kubelet: TestKubelet
+) -> None:
+    """Two worker Pods, each a machine with its own IP, train DDP (gloo, one
+    process each) with every step checkpointed in memory: a node's images in
+    its own /dev/shm (the Pod's memory-backed emptyDir), a replica of them on
+    the other node. node-1's Pod is deleted mid-run: node-0 goes on alone from
+    its memory; the replacement Pod (a new machine: new IP, empty /dev/shm)
+    joins and restores the step from its peer, across the Pod network; every
+    record is trained exactly once."""
+    job = make_job(["--in-memory", "--sleep-per-step", "0.15"], relaunch_delay_s=2.0)
+    job.start()
+    first = wait(lambda: len(running_pods(api, namespace)) == 2 and running_pods(api, namespace),
+                 "2 running pods")  # fmt: skip
+    network = ipaddress.ip_interface(f"{kubelet.host_ip}/24").network
+    ips = {name: pod.status.pod_ip for name, pod in first.items()}
+    assert len(set(ips.values())) == 2, ips
+    assert all(ipaddress.ip_address(ip) in network for ip in ips.values()), (ips, network)
+    job.wait_for(lambda: job.steps_logged() >= 2 * 12, "12 steps of 2 ranks")
+
+    k8s.CoreV1Api(api).delete_namespaced_pod("kjob-node-1-0", namespace, grace_period_seconds=1)
+    replacement = wait(
+        lambda: running_pods(api, namespace).get("kjob-node-1-1"), "node-1's replacement", 60
+    )
+    assert replacement.status.pod_ip not in ips.values()
+    ips["kjob-node-1-1"] = replacement.status.pod_ip
+    job.succeed()
+
+    report = job.check()
+    entries, _, _ = read_ledger(job.ledger)
+    worlds = {entry.attempt: entry.world for entry in entries}
+    attempts = sorted(worlds)
+    assert worlds[attempts[0]] == 2 and worlds[attempts[-1]] == 2, worlds
+    alone = next(attempt for attempt in attempts if worlds[attempt] == 1)
+    rejoined = next(attempt for attempt in attempts if attempt > alone and worlds[attempt] == 2)
+    restored = {restore.attempt: restore.restored_step for restore in report.restores}
+    assert restored[alone] >= 10 and restored[rejoined] >= restored[alone], report.restores
+    for name, ip in ips.items():  # each node published its Pod's IP to the others
+        assert ip in kubelet.log_path(namespace, name).read_text(), name
