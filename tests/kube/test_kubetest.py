@@ -20,6 +20,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubetest import KubeCluster, PodNetwork, TestKubelet, wait_until
+from kubetest.names import Endpoint, PodName, hosts_file, write_in_place
 
 pytestmark = [pytest.mark.integration, pytest.mark.kube]
 
@@ -504,3 +505,36 @@ def netns_and_links() -> set[str]:
     return {line.split()[0] for line in netns.stdout.splitlines() if line.strip()} | {
         link["ifname"] for link in json.loads(links.stdout)
     }
+
+
+def test_a_pods_hosts_file_names_it_and_every_endpoint_short_only_in_its_namespace() -> None:
+    pod = PodName("ns", "10.1.0.2", "node-0", "job-master")
+    endpoints = [
+        Endpoint("ns", "job-master", "10.1.0.3"),
+        Endpoint("ns", "echo", "10.1.0.4", hostname="srv"),
+        Endpoint("other", "db", "10.1.0.5"),
+    ]
+
+    lines = hosts_file(pod, endpoints).splitlines()
+
+    assert "10.1.0.2\tnode-0.job-master.ns.svc.cluster.local\tnode-0" in lines
+    assert (
+        "10.1.0.3\tjob-master.ns.svc.cluster.local job-master.ns.svc job-master.ns job-master"
+        in lines
+    )
+    assert "10.1.0.4\tsrv.echo.ns.svc.cluster.local srv.echo.ns.svc srv.echo" in lines
+    assert "10.1.0.5\tdb.other.svc.cluster.local db.other.svc db.other" in lines
+
+
+def test_a_hosts_file_is_rewritten_in_place_whole_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    old = "10.0.0.1\ta-long-name-that-goes\n"
+    write_in_place(path, old)
+    inode = path.stat().st_ino
+
+    write_in_place(path, "10.0.0.2\tb\n")
+
+    assert path.stat().st_ino == inode  # a bind mount of it sees the change
+    text = path.read_text()
+    assert len(text) == len(old)  # never shorter: a reader never meets a cut line
+    assert text.splitlines() == ["10.0.0.2\tb", "#" * (len(old) - len("10.0.0.2\tb\n") - 1)]

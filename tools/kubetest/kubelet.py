@@ -75,6 +75,7 @@ from kubetest.podspec import (
     decode_secret,
     first_container,
     inherited_env,
+    pod_hostname,
 )
 from kubetest.relay import ApiRelay
 
@@ -145,9 +146,8 @@ class _Run:
         return self.pod_dir / "etc-hosts"
 
     def name(self, ip: str) -> PodName:
-        spec = self.pod["spec"]
-        hostname = spec.get("hostname") or self.ref.name
-        return PodName(self.ref.namespace, ip, hostname, spec.get("subdomain") or "")
+        subdomain = self.pod["spec"].get("subdomain") or ""
+        return PodName(self.ref.namespace, ip, pod_hostname(self.pod), subdomain)
 
 
 def _container_id(run: _Run) -> str:
@@ -216,6 +216,15 @@ class TestKubelet:
                 self._network = PodNetwork().open()
             except NetworkError as exc:
                 raise KubeletError(f"{self.node_name}: no Pod network: {exc}") from None
+        try:
+            self._connect()
+        except BaseException:
+            if self._own_network:
+                self._network.close()
+            raise
+
+    def _connect(self) -> None:
+        """Register the Node, list the Pods bound to it, start the threads."""
         self._api = config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(self.kubeconfig), persist_config=False
         )
@@ -712,7 +721,7 @@ class TestKubelet:
         exit code, or None when it was not started (deleted, evicted, stopping)."""
         box = sandbox.Sandbox(
             netns=str(iface.netns_path),
-            hostname=run.name(iface.ip).hostname,
+            hostname=pod_hostname(run.pod),
             hosts_file=str(run.hosts_path),
             cwd=str(launch.cwd),
             shm_bytes=launch.shm_bytes,

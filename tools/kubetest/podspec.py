@@ -73,6 +73,12 @@ class Sources:
     secret: SecretLookup
 
 
+def pod_hostname(pod: Json) -> str:
+    """The Pod's hostname: spec.hostname, else its name."""
+    name: str = pod["spec"].get("hostname") or pod["metadata"]["name"]
+    return name
+
+
 def first_container(pod: Json) -> Json:
     containers: list[Json] = pod["spec"]["containers"]
     return containers[0]
@@ -92,7 +98,7 @@ def build_launch(
     env = {
         **base_env,
         "KUBETEST_POD_DIR": str(pod_dir),
-        "HOSTNAME": pod["metadata"]["name"],
+        "HOSTNAME": pod_hostname(pod),
         **pod_env,
     }
     argv = [*(container.get("command") or []), *(container.get("args") or [])]
