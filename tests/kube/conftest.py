@@ -4,7 +4,9 @@ ApiClient), `kubelet` (one test node per module) and `namespace` (a fresh one
 per test, deleted after it).
 
 The binaries come from scripts/kube_env.sh; without them the tests fail (they
-are not skipped), saying so. tools/ is put on sys.path here, for `kubetest`."""
+are not skipped), saying so, as they do without root (the kubelet makes each
+Pod a machine of its own in network and mount namespaces). tools/ is put on
+sys.path here, for `kubetest`."""
 
 from __future__ import annotations
 
