@@ -1,0 +1,48 @@
+"""The job of bench/machines.py: DDP over gloo on a small MLP, forever (the
+bench ends it), each step padded to STEP_S; every rank appends
+`<wall time> <world size> <rank> <step> <host> <pid>` to OUT/steps-<host>-<pid>
+after each step. The same script under dlworker and under torchrun.
+
+    _lab_train.py OUT STEP_S
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    out, step_s = Path(sys.argv[1]), float(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    host = socket.gethostname()
+    log = (out / f"steps-{host}-{os.getpid()}").open("a")
+    step = 0
+    while True:
+        started = time.monotonic()
+        x = torch.randn(32, 64)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        log.write(f"{time.time():.3f} {world} {rank} {step} {host} {os.getpid()}\n")
+        log.flush()
+        step += 1
+        time.sleep(max(0.0, step_s - (time.monotonic() - started)))
+
+
+if __name__ == "__main__":
+    main()
