@@ -245,19 +245,25 @@ class NetLab:
             if proc.poll() is None:
                 proc.kill()
         deadline = time.monotonic() + timeout_s
-        held = {holder.pid for holder in self.holders.values()}
-        while time.monotonic() < deadline:
-            pids = [pid for ns in self.namespaces for pid in self._pids(ns) if pid not in held]
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+        self._kill_all(self.namespaces, deadline)
         for proc in self.started:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
         self.started.clear()
+
+    def _kill_all(self, namespaces: Sequence[str], deadline: float) -> bool:
+        """SIGKILL every process in `namespaces` but the hosts' holders, until
+        none is left (True) or `deadline` (False)."""
+        held = {holder.pid for holder in self.holders.values()}
+        while time.monotonic() < deadline:
+            pids = [pid for ns in namespaces for pid in self._pids(ns) if pid not in held]
+            if not pids:
+                return True
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        return False
 
     @staticmethod
     def _pids(ns: str) -> list[int]:
@@ -276,16 +282,8 @@ class NetLab:
 
     def kill_host(self, host: str) -> None:
         """SIGKILL every process of `host` (a machine lost), its mounts kept."""
-        held = self.holders[host].pid if host in self.holders else -1
-        for _ in range(100):
-            pids = [pid for pid in self._pids(self.ns(host)) if pid != held]
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
-        raise RuntimeError(f"processes of host {host} outlived SIGKILL")
+        if not self._kill_all([self.ns(host)], time.monotonic() + 10):
+            raise RuntimeError(f"processes of host {host} outlived SIGKILL")
 
     def popen(
         self, host: str, argv: Sequence[str], env: dict[str, str] | None = None, cwd: str = "/tmp"
