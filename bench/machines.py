@@ -6,7 +6,7 @@ hostname, /etc/hosts, /tmp and /dev/shm; root needed).
     python bench/machines.py            # 3 trials per system, alternating
     python bench/machines.py --quick    # 1 each
 
-Hosts m, a, b, c. The job: bench/_lab_train.py (DDP over gloo, a small MLP,
+Hosts m, a, b, c. The job: tests/e2e/scripts/host_steps.py (DDP over gloo, a small MLP,
 steps padded to --step-ms), one process per node, two nodes, no checkpoint
 (torchrun has no in-memory one: both restart the script from scratch).
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from netns import NetLab, Output, netns_unavailable, user_env  # noqa: E402
 
 HOSTS = {"m": "10.233.0.1", "a": "10.233.0.2", "b": "10.233.0.3", "c": "10.233.0.4"}
-SCRIPT = Path(__file__).resolve().parent / "_lab_train.py"
+SCRIPT = REPO / "tests" / "e2e" / "scripts" / "host_steps.py"
 TOKEN = secrets.token_hex(16)
 
 

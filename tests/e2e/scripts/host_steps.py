@@ -1,9 +1,11 @@
-"""The job of bench/machines.py: DDP over gloo on a small MLP, forever (the
-bench ends it), each step padded to STEP_S; every rank appends
+"""DDP over gloo on a small MLP, forever (whoever started it ends it), each
+step padded to STEP_S; every rank appends
 `<wall time> <world size> <rank> <step> <host> <pid>` to OUT/steps-<host>-<pid>
-after each step. The same script under dlworker and under torchrun.
+after each step: which machines trained together, and when. The same script
+under dlworker and under torchrun (tests/e2e/test_across_machines.py,
+bench/machines.py).
 
-    _lab_train.py OUT STEP_S
+    host_steps.py OUT STEP_S
 """
 
 from __future__ import annotations
