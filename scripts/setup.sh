@@ -16,8 +16,24 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   echo "setup: installing torch 2.13.0 (CPU)"
   pip_install "torch==2.13.0"
 fi
-echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker, stream and dev extras"
-pip_install -e ".[master,postgres,mysql,kubernetes,worker,stream,dev]"
+# The editable install (and the wire code it generates from proto/) is redone
+# only when what it is made from changed: the packaging files, the .proto
+# files, the generator, the set of packages. A stamp in .venv remembers.
+stamp=.venv/.dlfleet-install-stamp
+fingerprint=$(
+  { cat pyproject.toml setup.py tools/protogen.py proto/dlfleet/api/v1/*.proto
+    find proto master worker brain -name __init__.py -not -path '*/build/*' | LC_ALL=C sort
+  } | sha256sum | cut -d' ' -f1
+)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$fingerprint" ] \
+    && ls proto/dlfleet/api/v1/*_pb2.py >/dev/null 2>&1 \
+    && .venv/bin/python -c 'import dlfleet.master, dlfleet.worker, dlfleet.brain' 2>/dev/null; then
+  echo "setup: dlfleet is installed and unchanged (delete $stamp to reinstall)"
+else
+  echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker, stream and dev extras"
+  pip_install -e ".[master,postgres,mysql,kubernetes,worker,stream,dev]"
+  echo "$fingerprint" >"$stamp"
+fi
 
 # The dashboard's browser test drives Debian's chromium through playwright
 # (playwright's own browser download is never used). Installed when missing and
