@@ -58,6 +58,7 @@ from kubernetes import config as k8s_config_module
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from dlfleet.api.addresses import LOCAL_ADDR_ENV
 from dlfleet.api.client import TLS_CA_ENV
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.job.jobconfig import (
@@ -85,7 +86,6 @@ LABEL_ATTEMPT = "dlfleet.io/attempt"
 CONTAINER = "worker"
 # dlworker's --local-addr, as torchrun names it: the address a node publishes
 # to the others (its store, its keeper, its workers' collectives).
-LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"
 SHM_VOLUME = "dlfleet-shm"
 SHM_PATH = "/dev/shm"
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
