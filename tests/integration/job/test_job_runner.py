@@ -458,7 +458,10 @@ def test_the_master_serves_metrics_and_status_over_http_while_the_job_runs(
     (job.root / "worker.py").write_text(SHARD_WORKER)
     job.start()
     job.wait_for(lambda: sum(s["world"] == 2 for s in job.seen()) == 2, "2 workers")
-    url = job.status()["http_url"]
+    printed = job.status()  # what `dlmaster status --json` prints
+    jsonschema.validate(printed, json.loads(SCHEMA_PATH.read_text()))
+    assert isinstance(printed["round"], int) and printed["round"] >= 1  # int64: not "1"
+    url = printed["http_url"]
     assert url.startswith("http://127.0.0.1:")
     assert f"http: {url}" in job.control("status").stdout
     token = (job.root / ".dlfleet" / "test-job" / "token").read_text().strip()

@@ -183,11 +183,12 @@ def test_status_is_the_documented_job_status(start_master: Callable[..., Running
             "relaunches": 0,
             "node_id": node.node_id,
             "detail": "",
-            "memory_bytes": "0",
+            "memory_bytes": 0,
             "ranks": [],
         }
     ]
-    assert document["datasets"][0]["records_total"] == "80"
+    assert document["datasets"][0]["records_total"] == 80  # int64: a number, not "80"
+    assert document["round"] == 0
     assert document["last_failure"]["message"] == "boom"
     assert value(scrape(running), "dlfleet_worker_failures_total", reason="exit") == 1
 

@@ -8,10 +8,21 @@ from typing import Any
 
 import jsonschema
 import pytest
-from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from dlfleet.api.status_document import SCHEMA_PATH, status_document
 from dlfleet.api.v1 import checkpoint_pb2, job_pb2, nodecheck_pb2, rendezvous_pb2
+
+# The schema's $defs: each names a message of one of these modules.
+DEFINED = {
+    "NodeStatus": job_pb2,
+    "NodeMetrics": rendezvous_pb2,
+    "DatasetProgress": job_pb2,
+    "FailureReport": rendezvous_pb2,
+    "CheckpointStatus": checkpoint_pb2,
+    "NodeCheckVerdict": nodecheck_pb2,
+    "PairMeasurement": nodecheck_pb2,
+}
 
 
 def schema() -> dict[str, Any]:
@@ -98,11 +109,39 @@ def test_a_full_status_and_an_empty_one_match_the_schema() -> None:
     jsonschema.validate(status_document(job_pb2.JobStatus()), schema())
 
 
-def test_int64_fields_are_strings_and_unset_messages_absent() -> None:
-    document = status_document(job_pb2.JobStatus(round=7))
-    assert document["round"] == "7"
-    assert "last_failure" not in document
-    assert "checkpoints" not in document
+def test_64_bit_integers_are_json_numbers_and_unset_messages_absent() -> None:
+    document = status_document(full_status())
+    assert document["round"] == 3
+    assert document["nodes"][0]["memory_bytes"] == 1 << 33
+    assert document["nodes"][0]["metrics"]["rss_bytes"] == 1 << 30
+    assert document["nodes"][0]["check"]["at_ms"] == 1_800_000_000_000
+    assert document["datasets"][0]["records_done"] == 150
+    assert document["checkpoints"]["committed_step"] == 10
+    assert document["checkpoints"]["persisted_step"] == -1
+    assert '"round": 3,' in json.dumps(document)
+    empty = status_document(job_pb2.JobStatus(round=7))
+    assert empty["round"] == 7
+    assert "last_failure" not in empty
+    assert "checkpoints" not in empty
+
+
+def test_the_schema_types_every_integer_of_the_proto_as_a_json_integer() -> None:
+    integers = {
+        FieldDescriptor.CPPTYPE_INT32,
+        FieldDescriptor.CPPTYPE_INT64,
+        FieldDescriptor.CPPTYPE_UINT32,
+        FieldDescriptor.CPPTYPE_UINT64,
+    }
+    definitions = schema()["$defs"]
+    for part, descriptor in [(schema(), job_pb2.JobStatus.DESCRIPTOR)] + [
+        (definitions[name], getattr(module, name).DESCRIPTOR) for name, module in DEFINED.items()
+    ]:
+        for field in descriptor.fields:
+            if field.cpp_type not in integers:
+                continue
+            spec = part["properties"][field.name]
+            declared = spec["items"]["type"] if field.is_repeated else spec["type"]
+            assert declared == "integer", f"{descriptor.name}.{field.name}"
 
 
 def test_a_document_with_an_unknown_field_is_refused() -> None:
