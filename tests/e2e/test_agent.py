@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e.ledger import assert_exactly_once
 from harness import MasterProcess
 from netns import Output
+
+from dlfleet.api.client import MasterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "allreduce_steps.py"
+LEDGER_SCRIPT = Path(__file__).parent / "scripts" / "ledger_train.py"
 TOKEN = "test-token"
 
 
@@ -316,9 +320,11 @@ def run_two_torchruns(
     master_process: Callable[..., MasterProcess],
     *flags: str,
     env: dict[str, str] | None = None,
-) -> Workers:
+    script: list[str] | None = None,
+) -> tuple[MasterProcess, Workers]:
     """Two stock torchrun nodes of one process each, rendezvousing through a
-    master, running SCRIPT for 5 steps; both must exit 0."""
+    master, running `script` (the script and its arguments; by default
+    SCRIPT for 5 steps); both must exit 0."""
     master = master_process(
         f"sqlite:///{tmp_path / 'm.db'}", "--min-nodes", "2", "--max-nodes", "2",
         "--last-call-timeout", "0.3",
@@ -329,7 +335,7 @@ def run_two_torchruns(
     argv = [
         str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", *flags,
         "--rdzv-backend", "dlfleet", "--rdzv-endpoint", master.address, "--rdzv-id", "job",
-        "--monitor-interval", "0.1", str(SCRIPT), str(out), "5", "0.05",
+        "--monitor-interval", "0.1", *(script or [str(SCRIPT), str(out), "5", "0.05"]),
     ]  # fmt: skip
     environ = {**os.environ, "DLFLEET_TOKEN": TOKEN, **(env or {})}
     procs = [
@@ -341,15 +347,23 @@ def run_two_torchruns(
     for proc in procs:
         code, log = finish(proc)
         assert code == 0, log
-    return Workers(out)
+        assert "no dlfleet master" not in log, log
+    return master, Workers(out)
+
+
+def rounds_run(workers: Workers) -> list[int]:
+    """The rounds in which some rank logged steps."""
+    return sorted({int(p.name.split("-")[1][1:]) for p in workers.out.glob("steps-r*-g*.jsonl")})
 
 
 def test_stock_torchrun_forms_its_world_through_the_master(
     tmp_path: Path, master_process: Callable[..., MasterProcess]
 ) -> None:
-    workers = run_two_torchruns(tmp_path, master_process)
+    _, workers = run_two_torchruns(tmp_path, master_process)
+    assert rounds_run(workers) == [1]  # the workers know the master's round
     for rank in (0, 1):
-        assert [s["sum"] for s in workers.steps("t0", rank)] == [2.0] * 5
+        assert [s["sum"] for s in workers.steps(1, rank)] == [2.0] * 5
+        assert workers.env(1, rank)["DLFLEET_MASTER"] is not None
 
 
 def test_stock_torchrun_restarts_through_the_master_after_a_worker_fails(
@@ -359,10 +373,40 @@ def test_stock_torchrun_restarts_through_the_master_after_a_worker_fails(
     master's push makes the other torchrun restart too, and the second round
     (which the master forms itself, from the spare ports the handler offered)
     trains to the end."""
-    workers = run_two_torchruns(
+    _, workers = run_two_torchruns(
         tmp_path, master_process, "--max-restarts", "1", env={"FAIL_MODE": "once"}
     )
-    # The node that failed runs its second attempt (t1) as one of the two
-    # ranks of a world of two, every step summing both ranks' ones.
-    second = [workers.steps("t1", rank) for rank in (0, 1)]
-    assert [s["sum"] for s in second[0] + second[1]] == [2.0] * 5
+    # Only a later round trains (rank 0 of the first exits before its first
+    # step), as a world of two, every step summing both ranks' ones.
+    (last,) = rounds_run(workers)
+    assert last > 1
+    steps = [workers.steps(last, rank) for rank in (0, 1)]
+    assert [s["sum"] for s in steps[0] + steps[1]] == [2.0] * 10
+
+
+LEDGER_SIZE = 61  # prime: the last global batch of each epoch is short
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["plain", "a-worker-killed"])
+def test_stock_torchrun_through_the_master_leases_every_record_exactly_once(
+    tmp_path: Path, master_process: Callable[..., MasterProcess], crash: bool
+) -> None:
+    """Under `torchrun --rdzv-backend=dlfleet` the script's ShardedDataLoader
+    leases from the master (the handler gives the workers its address, the
+    token, the node and each new round), with no warning; the ledger shows
+    every record of both epochs trained once, through a killed worker too
+    (restored from the checkpoint in the next round)."""
+    ledger = tmp_path / "ledger"
+    args = [str(LEDGER_SCRIPT), "--ledger-dir", str(ledger), "--size", str(LEDGER_SIZE)]
+    args += ["--batch-size", "4", "--epochs", "2", "--dataset-name", "records"]
+    flags: list[str] = []
+    if crash:
+        args += ["--crash-at-step", "9", "--crash-rank", "0", "--checkpoint-every", "5"]
+        flags = ["--max-restarts", "1"]
+    master, _ = run_two_torchruns(tmp_path, master_process, *flags, script=args)
+    report = assert_exactly_once(ledger, size=LEDGER_SIZE, epochs=2)
+    with MasterClient(master.address, token=TOKEN) as client:
+        assert client.dataset_status("records").finished  # leased, not sliced by rank
+    if crash:
+        assert len(report.attempts) >= 2  # rounds: the crash made a new one
+        assert report.discarded > 0  # the steps after the checkpoint were rolled back

@@ -59,7 +59,7 @@ def main() -> None:
         raise RuntimeError("rank 0 always fails")
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    # Under stock torchrun (no dlfleet agent) the restart count names the attempt.
+    # Under plain torchrun (no dlfleet master) the restart count names the attempt.
     round_id = os.environ.get("DLFLEET_ROUND") or f"t{os.environ['TORCHELASTIC_RESTART_COUNT']}"
     tag = f"r{round_id}-g{rank}"
     (out / f"env-{tag}.json").write_text(json.dumps({k: os.environ.get(k) for k in KEYS}))

@@ -15,6 +15,11 @@ re-rendezvous push, not polling, is what `num_nodes_waiting()` reports.
 
 The job token comes from `--rdzv-conf token=...` or $DLFLEET_TOKEN; the job
 name from `--rdzv-conf job_name=...` (default "job", dlmaster's default).
+
+The workers' ShardedDataLoader leases from the master as under dlworker: torchrun
+starts (and restarts) the workers from this process's environment right after
+each `next_rendezvous()` (`SimpleElasticAgent._initialize_workers`), so that
+is where the master's address, the token, the node id and the new round go.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.loop import free_ports
+from dlfleet.worker.loader.environment import launcher_variables
 
 _log = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         if not token:
             raise RendezvousError("dlfleet rendezvous needs the job token: $DLFLEET_TOKEN")
         self._params = params
+        self._token = token
         self._host = ""  # chosen at registration, as dlworker's (`dlfleet.worker.address`)
         self._bind = ""
         self._client = MasterClient(params.endpoint, token=token)
@@ -98,6 +105,10 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             raise RendezvousError(str(error)) from error
         self._round = joined.round
         self._session.round = joined.round
+        # Read by torchrun when it starts this round's workers, next.
+        os.environ.update(
+            launcher_variables(self._params.endpoint, self._token, joined.round, self._node_id)
+        )
         store: Store = TCPStore(
             joined.bootstrap_host,
             joined.bootstrap_port,

@@ -1,8 +1,9 @@
 """Where a loader runs: the master, the round, and this process's rank.
 
-Read once, when the loader is built, from what `dlworker` (DLFLEET_MASTER,
-DLFLEET_TOKEN, DLFLEET_ROUND, DLFLEET_NODE_ID) and torchrun (RANK, WORLD_SIZE)
-put in the environment. The rank and world size of an initialised
+Read once, when the loader is built, from what `dlworker` or torchrun with
+dlfleet's rendezvous (DLFLEET_MASTER, DLFLEET_TOKEN, DLFLEET_ROUND,
+DLFLEET_NODE_ID; `launcher_variables`) and torchrun (RANK, WORLD_SIZE) put in
+the environment. The rank and world size of an initialised
 torch.distributed process group win over the variables. Tests build one
 directly, so that several "ranks" can live in one process.
 """
@@ -57,6 +58,17 @@ class LoaderEnvironment:
             rank=rank,
             world_size=world,
         )
+
+
+def launcher_variables(master: str, token: str, round: int, node_id: str) -> dict[str, str]:
+    """What a launcher that joins rounds on a master gives its workers, so
+    that their loaders lease from it (`LoaderEnvironment.detect` reads them)."""
+    return {
+        MASTER_ENV: master,
+        TOKEN_ENV: token,
+        ROUND_ENV: str(round),
+        NODE_ID_ENV: node_id,
+    }
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

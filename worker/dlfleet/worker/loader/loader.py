@@ -15,7 +15,8 @@ Modes (decided once, at construction):
   epoch, by construction (see slicing.py for the tail rule).
 - async (`mode="async"`): each rank leases whole shards for itself; fast ranks
   take more. For evaluation and independent consumers, not for DDP.
-- local (no DLFLEET_MASTER, e.g. plain torchrun): a warning, then the same
+- local (no DLFLEET_MASTER: plain torchrun, not dlworker or torchrun with
+  `--rdzv-backend=dlfleet`, which both set it): a warning, then the same
   slicing over the seeded permutation of each epoch, no master involved.
 
 Datasets: any map-style dataset, positions mapped to records by the epoch's
@@ -367,8 +368,10 @@ def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
         raise InvalidArgument(f"mode must be 'sync' or 'async', got {mode!r}")
     if env.master is None:
         warnings.warn(
-            "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset); "
-            "falling back to rank-based sharding without fault tolerance",
+            "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset): the script was "
+            "started neither by dlworker nor by torchrun --rdzv-backend=dlfleet; each rank "
+            "takes a rank-based slice of every epoch, and nothing promises exactly once "
+            "across a restart or a changed world",
             stacklevel=3,
         )
         return LoaderMode.LOCAL
