@@ -461,11 +461,22 @@ class MasterClient:
     # --------------------------------------------------------------- nodes
 
     def register_node(
-        self, *, job_name: str, node_name: str, local_world_size: int, host: str = ""
+        self,
+        *,
+        job_name: str,
+        node_name: str,
+        local_world_size: int,
+        host: str = "",
+        nnodes: tuple[int, int] | None = None,
     ) -> nodes_pb2.RegisterNodeResponse:
+        """`nnodes`: the (MIN, MAX) the node was started with, if it was given
+        one: the master answers a range other than its own with
+        `nnodes_warning`, and refuses one that cannot overlap it."""
         request = nodes_pb2.RegisterNodeRequest(
             job_name=job_name, node_name=node_name, local_world_size=local_world_size, host=host
         )
+        if nnodes is not None:
+            request.min_nodes, request.max_nodes = nnodes
         return self._call("Register", self._nodes.Register, request)
 
     # ------------------------------------------------- on the client's loop

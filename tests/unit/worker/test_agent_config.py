@@ -93,6 +93,7 @@ def test_every_flag_is_parsed(tmp_path: Path) -> None:
         token="from-file",
         min_nodes=2,
         max_nodes=4,
+        nnodes_given=True,
         nproc_per_node=3,
         max_restarts=5,
         monitor_interval_s=0.5,
@@ -130,6 +131,12 @@ def test_module_flag_runs_the_script_as_a_module() -> None:
 def test_a_single_nnodes_number_is_both_min_and_max() -> None:
     config = parse("--nnodes", "3", "train.py")
     assert (config.min_nodes, config.max_nodes) == (3, 3)
+
+
+def test_nnodes_is_told_to_the_master_only_when_the_flag_or_pet_nnodes_gave_it() -> None:
+    assert parse("--nnodes", "1", "train.py").nnodes_given
+    assert parse("train.py", env={**BASE_ENV, "PET_NNODES": "2:3"}).nnodes_given
+    assert not parse("train.py").nnodes_given
 
 
 def test_everything_after_the_script_is_passed_through_untouched() -> None:

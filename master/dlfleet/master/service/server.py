@@ -43,6 +43,7 @@ from dlfleet.api.v1 import (
     shards_pb2_grpc,
 )
 from dlfleet.master.core.events import Event
+from dlfleet.master.core.node_range import judge_range, requested_range
 from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.service import wire
 from dlfleet.master.service.checkpoint_service import CheckpointsService
@@ -223,6 +224,7 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
                 f"node {request.node_name!r} belongs to job {request.job_name!r}; "
                 f"this master runs job {job!r}"
             )
+        nnodes_warning = self._judge_nnodes(request)
         previous = self.state.nodes.nodes.get(request.node_name)
         record = self.state.nodes.register(
             request.node_name, request.local_world_size, request.host, self.clock()
@@ -248,7 +250,21 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             heartbeat_timeout_ms=liveness.heartbeat_timeout_ms,
             restarts_in_place=self.state.restarts_in_place,
             observed_host=seen,
+            nnodes_warning=nnodes_warning,
         )
+
+    def _judge_nnodes(self, request: nodes_pb2.RegisterNodeRequest) -> str:
+        """The node's --nnodes against this master's range (`core.node_range`):
+        said in the master's log too, so that both sides show a mismatch."""
+        try:
+            requested = requested_range(request.min_nodes, request.max_nodes)
+            warning = judge_range(requested, self.state.rendezvous.settings)
+        except InvalidArgument as error:
+            _log.warning("node %s refused: %s", request.node_name, error)
+            raise
+        if warning:
+            _log.warning("node %s: %s", request.node_name, warning)
+        return warning
 
     @rpc
     async def Heartbeat(

@@ -167,6 +167,9 @@ class AgentConfig:
     training_script_args: tuple[str, ...] = ()
     min_nodes: int = 1
     max_nodes: int = 1
+    # Whether --nnodes (or PET_NNODES) was given: only then is the range told
+    # to the master, whose own range decides (it warns where they differ).
+    nnodes_given: bool = False
     nproc_per_node: int = 1
     max_restarts: int = 0
     monitor_interval_s: float = 0.1
@@ -292,7 +295,12 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = p.add_argument
-    add("--nnodes", help="number of nodes, N or MIN:MAX (default 1:1; env PET_NNODES)")
+    add(
+        "--nnodes",
+        help="number of nodes, N or MIN:MAX (env PET_NNODES): the master's --min-nodes and "
+        "--max-nodes decide the world size; a range that differs is warned about, one that "
+        "cannot overlap it is refused",
+    )
     add(
         "--nproc-per-node",
         "--nproc_per_node",
@@ -621,6 +629,7 @@ def parse_args(
         token=_token(src, environ),
         min_nodes=min_nodes,
         max_nodes=max_nodes,
+        nnodes_given=nnodes is not None,
         nproc_per_node=nproc,
         max_restarts=_int(restarts, 0) if restarts else 0,
         monitor_interval_s=_seconds(interval) if interval else 0.1,

@@ -249,12 +249,16 @@ class Agent:
         try:
             if self._given_host is None:
                 self._choose_address(None)
+            config = self.config
             registered = self.client.register_node(
-                job_name=self.config.job_name,
-                node_name=self.config.node_name,
-                local_world_size=self.config.nproc_per_node,
+                job_name=config.job_name,
+                node_name=config.node_name,
+                local_world_size=config.nproc_per_node,
                 host=self.host,
+                nnodes=(config.min_nodes, config.max_nodes) if config.nnodes_given else None,
             )
+            if registered.nnodes_warning:
+                _log.warning("%s", registered.nnodes_warning)
             if self._given_host is None:
                 self._choose_address(registered.observed_host or None)
         except DlfleetError as error:
