@@ -26,6 +26,7 @@ from dlfleet.worker.checkpoint.persist import (
     finish,
     load_persisted,
     load_persisted_full,
+    missing_parts,
     newest_persisted,
     persist,
     prune,
@@ -113,6 +114,17 @@ def test_a_part_of_another_round_does_not_count(tmp_path: Path) -> None:
     write_part(rank1, tmp_path / "disk")
     with pytest.raises(PersistTimeoutError, match=r"ranks \[0, 1\] of round 5"):
         finish(folder, world_size=2, round=5, timeout=0.0)
+
+
+def test_missing_parts_names_the_ranks_still_to_write_then_none(tmp_path: Path) -> None:
+    rank0, rank1 = sharded_images(tmp_path, torch.ones(4, 3), 2)
+    folder = write_part(rank0, tmp_path / "disk")
+    assert missing_parts(folder, world_size=2, round=4) == [1]
+    assert missing_parts(folder, world_size=2, round=5) == [0, 1]  # another round's parts
+    write_part(rank1, tmp_path / "disk")
+    assert missing_parts(folder, world_size=2, round=4) == []
+    finish(folder, world_size=2, round=4, timeout=0.0)
+    assert missing_parts(folder, world_size=2, round=4) == []  # complete
 
 
 def test_load_persisted_full_asks_for_a_template_when_tensors_are_sharded(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint import files, location, persist
-from dlfleet.worker.checkpoint.errors import CheckpointError, PersistTimeoutError
+from dlfleet.worker.checkpoint.errors import CheckpointError
 from dlfleet.worker.checkpoint.image import (
     BytesImage,
     ImageFile,
@@ -148,6 +148,9 @@ class Checkpointer:
         self._last_saved = -1
         self._location_round: int | None = None  # the round whose location check passed
         self._persisting: int | None = None
+        # The newest step rank 0 handed to the finisher: an older one still
+        # waiting for parts is superseded by it (the close sentinel is not).
+        self._finish_due = -1
         self._last_image: ImageFile | None = None
         self._notices: queue.Queue[ImageFile | None] = queue.Queue()
         self._persists: queue.Queue[ImageFile | None] = queue.Queue()
@@ -313,6 +316,8 @@ class Checkpointer:
                     self._persisting = None
                     self._acked.notify_all()
             if image.rank == 0:
+                with self._lock:
+                    self._finish_due = max(self._finish_due, image.step)
                 self._finishes.put((image, folder))
 
     def _finish_loop(self) -> None:
@@ -330,17 +335,43 @@ class Checkpointer:
         """Wait for the other ranks' parts of `image`'s step, until they are all
         there (True), a newer step is due to finish, or PERSIST_TIMEOUT_S: a
         rank that died before writing its part never will, and the folder of
-        a newer step supersedes this one (an incomplete folder is pruned)."""
-        deadline = time.monotonic() + PERSIST_TIMEOUT_S
+        a newer step supersedes this one (an incomplete folder is pruned).
+        Closing is no reason to stop waiting: the last step's parts come as
+        the ranks close, each in its own time."""
+        started = time.monotonic()
         while True:
-            try:
+            missing = persist.missing_parts(folder, world_size=image.world_size, round=image.round)
+            if not missing:
                 persist.finish(folder, world_size=image.world_size, round=image.round, timeout=0)
                 return True
-            except PersistTimeoutError as exc:
-                if not self._finishes.empty() or time.monotonic() > deadline:
-                    _log.warning("step %d is not persisted: %s", image.step, exc)
-                    return False
+            with self._lock:
+                newer = self._finish_due if self._finish_due > image.step else None
+            waited = time.monotonic() - started
+            if newer is not None or waited > PERSIST_TIMEOUT_S:
+                _log.warning("%s", self._not_persisted(image, folder, missing, waited, newer))
+                return False
             time.sleep(0.05)
+
+    def _not_persisted(
+        self, image: ImageFile, folder: Path, missing: list[int], waited: float, newer: int | None
+    ) -> str:
+        """Why `image`'s step is not on disk, and what is."""
+        why = (
+            f"step {newer} was due before the parts of ranks {missing} came"
+            if newer is not None
+            else f"the parts of ranks {missing} did not come within {waited:.0f}s "
+            "(did those ranks stop before their Checkpointer closed?)"
+        )
+        newest = persist.newest_persisted(self.persist_dir)
+        on_disk = (
+            f"the newest complete step on disk is {newest[0]} ({newest[1]})"
+            if newest is not None
+            else f"no step is complete on disk under {self.persist_dir}"
+        )
+        return (
+            f"step {image.step} is not persisted: {why}; {folder} stays incomplete "
+            f"(no {persist.METADATA}) and is never loaded; {on_disk}"
+        )
 
     def _finish(self, image: ImageFile, folder: Path) -> None:
         started = time.monotonic()

@@ -126,7 +126,7 @@ def finish(
         if (folder / METADATA).is_file():
             return folder  # finished already: a complete folder is never rewritten
         parts = _read_parts(folder, world_size, round)
-        missing = sorted(set(range(world_size)) - set(parts))
+        missing = _missing(parts, world_size)
         if not missing:
             break
         if clock() >= deadline:
@@ -145,6 +145,18 @@ def finish(
     for rank in range(world_size):
         _part_path(folder, rank).unlink(missing_ok=True)
     return folder
+
+
+def missing_parts(folder: Path, *, world_size: int, round: int) -> list[int]:
+    """The ranks of `round` whose part of `folder` is not written yet (none
+    once the folder is complete)."""
+    if (folder / METADATA).is_file():
+        return []
+    return _missing(_read_parts(folder, world_size, round), world_size)
+
+
+def _missing(parts: dict[int, Any], world_size: int) -> list[int]:
+    return sorted(set(range(world_size)) - set(parts))
 
 
 def newest_persisted(root: Path) -> tuple[int, Path] | None:
