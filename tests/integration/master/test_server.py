@@ -39,9 +39,12 @@ def test_registration_is_idempotent_and_conflicts_are_invalid_argument(
     assert again.status.records_per_epoch == 100
     with pytest.raises(InvalidArgument, match="size=200"):
         client.register_dataset(spec(size=200))
-    with pytest.raises(InvalidArgument, match="batch_size 5 is larger than the dataset"):
-        client.register_dataset(spec(name="tiny", size=3))
-    with pytest.raises(InvalidArgument, match="size must be at least 1"):
+    assert client.register_dataset(spec(name="tiny", size=3)).status.records_per_epoch == 3
+    tiny_cut = spec(name="tiny-cut", size=3)
+    tiny_cut.drop_last = True
+    with pytest.raises(InvalidArgument, match="fewer than one global batch of 5"):
+        client.register_dataset(tiny_cut)
+    with pytest.raises(InvalidArgument, match="has no records"):
         client.register_dataset(spec(name="empty", size=0))
 
 

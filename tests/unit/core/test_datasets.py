@@ -34,7 +34,7 @@ def create(**overrides: Any) -> DatasetConfig:
         ({"size": MAX_RECORDS + 1, "shard_size": 1 << 30}, "size"),
         ({"batch_size": 0}, "batch_size"),
         ({"batch_size": -1}, "batch_size"),
-        ({"batch_size": 1001}, "batch_size"),
+        ({"batch_size": 1001, "drop_last": True}, "batch_size"),
         ({"shard_size": -1}, "shard_size"),
         ({"size": MAX_SHARDS_PER_EPOCH + 1, "batch_size": 1, "shard_size": 1}, "shard_size"),
         ({"epochs": 0}, "epochs"),
@@ -63,6 +63,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(
     [
         {"size": 1, "batch_size": 1},
         {"batch_size": 1000},
+        {"batch_size": 1001},  # one short batch per epoch
         {"size": MAX_SHARDS_PER_EPOCH, "batch_size": 1, "shard_size": 1},
         {"epochs": MAX_EPOCHS},
         {"seed": (1 << 64) - 1},

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dlfleet.api.epochs import cut, epoch_length, require_records
 from dlfleet.api.errors import InvalidArgument
 
 MAX_RECORDS = 1 << 48
@@ -59,16 +60,12 @@ class DatasetConfig:
                 f"dataset name must be 1..{MAX_NAME_LENGTH} printable characters, got {name!r}"
             )
         where = f"dataset {name!r}"
-        if size < 1:
-            raise InvalidArgument(f"{where}: size must be at least 1 record, got {size}")
+        require_records(name, size)
         if size > MAX_RECORDS:
             raise InvalidArgument(f"{where}: size {size} exceeds the limit of {MAX_RECORDS}")
         if batch_size < 1:
             raise InvalidArgument(f"{where}: batch_size must be at least 1, got {batch_size}")
-        if batch_size > size:
-            raise InvalidArgument(
-                f"{where}: batch_size {batch_size} is larger than the dataset ({size} records)"
-            )
+        epoch_length(name, size, batch_size, drop_last)  # the loader's rule without a master
         if shard_size < 0:
             raise InvalidArgument(f"{where}: shard_size must not be negative, got {shard_size}")
         shard_size = shard_size or min(size, batch_size * DEFAULT_BATCHES_PER_SHARD)
@@ -101,9 +98,7 @@ class DatasetConfig:
     @property
     def epoch_length(self) -> int:
         """Positions per epoch: with drop_last the last partial batch is cut."""
-        if self.drop_last:
-            return self.size - self.size % self.batch_size
-        return self.size
+        return cut(self.size, self.batch_size, self.drop_last)
 
     @property
     def shards_per_epoch(self) -> int:

@@ -52,6 +52,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from dlfleet.api.client import MasterClient
+from dlfleet.api.epochs import cut, epoch_length, require_records
 from dlfleet.api.errors import InvalidArgument, NotFound
 from dlfleet.api.permutation import EpochPermutation
 from dlfleet.api.v1 import shards_pb2
@@ -110,6 +111,7 @@ class ShardedDataLoader:
         self.shard_size = shard_size
         self.drop_last = drop_last
         self.name = name or _default_name(dataset)
+        require_records(self.name, self.size)  # with a master or without
         self.env = environment or LoaderEnvironment.detect()
         self.mode = _decide_mode(mode, self.env)
         world = self.env.world_size if self.mode is not LoaderMode.ASYNC else 1
@@ -117,7 +119,13 @@ class ShardedDataLoader:
         self._world = world
         self._rank = self.env.rank if self.mode is not LoaderMode.ASYNC else 0
         self._round = self.env.round if self.mode is LoaderMode.SYNC else 0
-        self._epoch_length = _epoch_length(self.size, self.global_batch, drop_last)
+        if self.mode is LoaderMode.LOCAL:
+            # Without a master the loader applies the master's rule itself.
+            self._epoch_length = epoch_length(self.name, self.size, self.global_batch, drop_last)
+        else:
+            # The master applies it when the dataset is registered (the first
+            # iteration); its first registration's cut holds for later worlds.
+            self._epoch_length = cut(self.size, self.global_batch, drop_last)
         self._client: MasterClient | None = None
         self._registered = False
         self._pending_restore: shards_pb2.DatasetSnapshot | None = None
@@ -387,7 +395,3 @@ def _default_name(dataset: Dataset[Any]) -> str:
     if isinstance(fingerprint, str):
         name = f"{cls.__qualname__}-{fingerprint}"
     return name[:MAX_NAME_LENGTH]
-
-
-def _epoch_length(size: int, global_batch: int, drop_last: bool) -> int:
-    return size - size % global_batch if drop_last else size
