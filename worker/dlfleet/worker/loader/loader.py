@@ -49,7 +49,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from dlfleet.api.client import MasterClient
 from dlfleet.api.epochs import cut, epoch_length, require_records
@@ -102,6 +102,7 @@ class ShardedDataLoader:
     ) -> None:
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be at least 1, got {batch_size}")
+        _require_map_style(dataset)
         self.dataset = dataset
         self.size = len(dataset)  # type: ignore[arg-type]
         self.batch_size = batch_size
@@ -384,6 +385,25 @@ def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
         )
         return LoaderMode.LOCAL
     return LoaderMode.ASYNC if mode == "async" else LoaderMode.SYNC
+
+
+def _require_map_style(dataset: object) -> None:
+    """Leases name records by position: a dataset must be indexed to be leased."""
+    cls = type(dataset)
+    if isinstance(dataset, IterableDataset):
+        what = "a torch IterableDataset, which yields records but cannot fetch one by index"
+    elif not (hasattr(cls, "__len__") and hasattr(cls, "__getitem__")):
+        what = "without __len__ and __getitem__"
+    else:
+        return
+    raise TypeError(
+        f"ShardedDataLoader cannot lease {cls.__qualname__}, {what}: it leases records by "
+        "index, so that each is trained once. For records streamed from files (JSON lines, "
+        "Parquet, WebDataset tars, token files) use dlfleet.FileCatalog, read in order and "
+        "leased exactly once (a stream without files: cut it into files once with "
+        "dlfleet.write_jsonl_shards); otherwise a map-style Dataset with __len__ and "
+        "__getitem__."
+    )
 
 
 def _default_name(dataset: Dataset[Any]) -> str:
