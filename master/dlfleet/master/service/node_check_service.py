@@ -180,7 +180,9 @@ class NodeCheckService(nodecheck_pb2_grpc.NodeCheckServicer):
             took_ms=verdict.took_ms,
             measure_ms=verdict.measure_ms,
         )
-        how = _log.warning if verdict.faulty else _log.info
+        # A healthy verdict is said by the node's agent, which acts on it;
+        # a faulty one here too, where the node is retired.
+        how = _log.warning if verdict.faulty else _log.debug
         how("node check: %s is %s (rule %s, %.2fs): %s", verdict.node_id,
             "faulty" if verdict.faulty else "healthy", verdict.rule.value,
             verdict.took_ms / 1000, verdict.reason)  # fmt: skip

@@ -119,7 +119,8 @@ class CheckProcess:
 
     def conclude(self, verdict: nodecheck_pb2.NodeCheckVerdict) -> int:
         state = "faulty" if verdict.faulty else "healthy"
-        _log.info("verdict: %s (%s): %s", state, verdict.rule, verdict.reason)
+        # The agent says the verdict (it acts on it): once in the node's output.
+        _log.debug("verdict: %s (%s): %s", state, verdict.rule, verdict.reason)
         if self.args.result is not None:
             document = {
                 "faulty": verdict.faulty,
