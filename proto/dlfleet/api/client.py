@@ -942,6 +942,7 @@ class AgentSession:
         # When the last heartbeat went out (time.monotonic()), 0 before the first.
         self.last_beat_s = 0.0
         self._silent = False
+        self._leaving = False
         self._beats: asyncio.Future[None] | None = None
         # The open stream, one write at a time on it (beats and joins), and
         # the join waiting for its answer.
@@ -990,7 +991,10 @@ class AgentSession:
                     self.broken.set()
                 else:
                     self.closed_by_master.set()
-                    _log.error("the master closed the session of %s: %s", self.node_id, error)
+                    # Expected once the agent left: the master forgot the node.
+                    say = _log.debug if self._leaving else _log.error
+                    say("the master refused the session of %s: %s (%s)", self.node_id,
+                        error.details() or "no details", error.code().name)  # fmt: skip
                     self._fail_join(error_from_status(error.code(), error.details() or ""))
                     return
             finally:
@@ -1139,6 +1143,11 @@ class AgentSession:
             pending.answer.set_exception(error)
             # Retrieved by its waiter, if it still waits; else it is no news.
             pending.answer.exception()
+
+    def leaving(self) -> None:
+        """The agent is about to leave the rendezvous: the master will refuse
+        this session from then on, which is no news."""
+        self._leaving = True
 
     def silence(self) -> None:
         """Stop heartbeating but keep the stream open: what the master sees of

@@ -871,6 +871,8 @@ class Agent:
         reason = reasons.get(type(phase), "failed")
         if not self.node_id:
             return
+        if self.session is not None:
+            self.session.leaving()
         try:
             self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
         except DlfleetError as error:
