@@ -196,6 +196,11 @@ def test_a_rank_that_always_fails_exhausts_restarts_with_the_root_cause(
     assert code == 1
     assert "restart 2 of 2" in out
     assert "local rank 0 on a#1" in out and "rank 0 always fails" in out
+    # The node's last word says it ends, not that it restarts.
+    last = [line for line in out.splitlines() if "dlworker a#1 failed: " in line][-1]
+    assert last.endswith(
+        "(rule diagnosis-off), not restarted: its 2 restarts (max_restarts) are spent"
+    ), last
 
 
 def test_a_rank_that_fails_the_same_way_twice_stops_restarting(job: Callable[..., Any]) -> None:

@@ -4,7 +4,7 @@ check."""
 
 from __future__ import annotations
 
-from dlfleet.api.v1 import checkpoint_pb2, job_pb2, nodecheck_pb2
+from dlfleet.api.v1 import checkpoint_pb2, job_pb2, nodecheck_pb2, rendezvous_pb2
 from dlfleet.master.job.display import format_bytes, status_lines
 
 
@@ -70,3 +70,19 @@ def test_a_node_that_failed_its_node_check_says_why() -> None:
         job_name="j", nodes=[job_pb2.NodeStatus(name="node-2", state="faulty", check=verdict)]
     )
     assert "  node-2: node check compute_slow: matmul 30.0 ms, 3.0x" in status_lines(job)
+
+
+def failure_line(restarting: bool) -> str:
+    failure = rendezvous_pb2.FailureReport(
+        node_id="node-1#1", global_rank=1, exit_code=1, message="RuntimeError: boom",
+        rule="diagnosis-off", category="unknown", action="restart", restarting=restarting,
+    )  # fmt: skip
+    job = job_pb2.JobStatus(job_name="j", phase="failed", last_failure=failure)
+    (line,) = [line.strip() for line in status_lines(job) if "last failure" in line]
+    return line
+
+
+def test_a_failure_restarted_says_restart_and_one_that_ended_the_node_does_not() -> None:
+    assert "rule diagnosis-off: restart)" in failure_line(restarting=True)
+    ended = failure_line(restarting=False)
+    assert "rule diagnosis-off: not restarted, restarts spent)" in ended, ended

@@ -99,7 +99,10 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
         message = failure.message.strip().splitlines()
         how = failure.signal or f"exit {failure.exit_code}"
         if failure.rule:
-            how += f"; {failure.category}, rule {failure.rule}: {failure.action}"
+            # A verdict of restart with no restart left ended the node.
+            spent = failure.action == "restart" and not failure.restarting
+            action = "not restarted, restarts spent" if spent else failure.action
+            how += f"; {failure.category}, rule {failure.rule}: {action}"
         lines.append(
             f"  last failure: {failure.node_id} rank {failure.global_rank} ({how})"
             + (f": {message[-1][:120]}" if message else "")

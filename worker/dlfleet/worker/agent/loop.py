@@ -394,7 +394,13 @@ class Agent:
         if verdict.action in _EXIT_FOR:
             return Failed(failure, described, _EXIT_FOR[verdict.action])
         if phase.restart_count >= self.config.max_restarts:
-            return Failed(failure, described)
+            # The verdict says restart, but the node ends: say that, not "restart".
+            spent = (
+                f"{_describe(failure, self.node_id)}; diagnosed {verdict.category.value} "
+                f"(rule {verdict.rule}), not restarted: its {self.config.max_restarts} "
+                "restarts (max_restarts) are spent"
+            )
+            return Failed(failure, spent)
         _log.warning(
             "worker failed (%s); restart %d of %d",
             described,
