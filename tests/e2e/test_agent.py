@@ -415,3 +415,18 @@ def test_stock_torchrun_through_the_master_leases_every_record_exactly_once(
     if crash:
         assert len(report.attempts) >= 2  # rounds: the crash made a new one
         assert report.discarded > 0  # the steps after the checkpoint were rolled back
+
+
+def test_a_killed_agent_leaves_no_socket_file_behind(
+    job: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Its workers reach it on a Unix socket that vanishes with it (an
+    abstract one), not on a file in /tmp that a SIGKILL leaves there."""
+    _, agent, workers = job(1, 1)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    a = agent("a", steps=400, pause=0.05, env={"TMPDIR": str(tmp)})
+    workers.wait_for_steps(1, 0, 2)
+    a.kill()
+    a.wait(10)
+    assert sorted(p.name for p in tmp.glob("dlworker-*.sock")) == []

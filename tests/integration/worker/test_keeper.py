@@ -45,7 +45,7 @@ class Node:
         self.server = AgentServer(
             self.service,
             token=TOKEN,
-            socket_path=root / f"{name}.sock",
+            local_address=f"unix:{root / f'{name}.sock'}",
             host="127.0.0.1",
             threads=8,
         )

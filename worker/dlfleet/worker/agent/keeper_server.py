@@ -1,6 +1,10 @@
 """The agent's gRPC server: the `Keeper` service, for this node's workers (on
 a Unix socket) and its peers (on TCP).
 
+On Linux the workers' socket is an abstract one (`worker_endpoint`): it is
+gone with the agent however the agent ends, where a socket file in /tmp
+outlives an agent that is killed.
+
 Workers attach here for in-process restarts (`orders.py`) and announce their
 checkpoint images; peer agents replicate and fetch images. Every call carries
 the job token, as on the master.
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -120,16 +126,26 @@ def _deny(request: Any, context: grpc.ServicerContext) -> None:
 _DENIED: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(_deny)
 
 
+def worker_endpoint(name: str) -> str:
+    """Where this node's workers reach the agent: the abstract Unix socket
+    `name` on Linux (no file: it vanishes with the agent's process, even
+    killed), elsewhere a socket file `name.sock` in the temp folder."""
+    if sys.platform.startswith("linux"):
+        return f"unix-abstract:{name}"
+    return f"unix:{Path(tempfile.gettempdir()) / f'{name}.sock'}"
+
+
 class AgentServer:
-    """Serves `service` on `unix:<socket>` and on `<host>:0` (TCP); the other
-    nodes dial `published` (the node's address: `host` unless NATed)."""
+    """Serves `service` on `local_address` (a Unix socket: `unix:<path>` or
+    `unix-abstract:<name>`) and on `<host>:0` (TCP); the other nodes dial
+    `published` (the node's address: `host` unless NATed)."""
 
     def __init__(
         self,
         service: KeeperService,
         *,
         token: str,
-        socket_path: Path,
+        local_address: str,
         host: str,
         threads: int,
         published: str | None = None,
@@ -144,13 +160,16 @@ class AgentServer:
             ],
         )
         checkpoint_pb2_grpc.add_KeeperServicer_to_server(service, self._server)
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
-        socket_path.unlink(missing_ok=True)
-        self.local_address = f"unix:{socket_path}"
+        # A socket file (not an abstract socket) is made here and removed at stop.
+        path = local_address.removeprefix("unix:")
+        self._socket_path = Path(path) if path != local_address else None
+        if self._socket_path is not None:
+            self._socket_path.parent.mkdir(parents=True, exist_ok=True)
+            self._socket_path.unlink(missing_ok=True)
+        self.local_address = local_address
         self._server.add_insecure_port(self.local_address)
         port = self._server.add_insecure_port(with_port(host or "0.0.0.0", 0))
         self.peer_address = with_port(published or host, port)
-        self._socket_path = socket_path
 
     def start(self) -> None:
         self._server.start()
@@ -158,4 +177,5 @@ class AgentServer:
 
     def stop(self) -> None:
         self._server.stop(grace=0.5).wait(2.0)
-        self._socket_path.unlink(missing_ok=True)
+        if self._socket_path is not None:
+            self._socket_path.unlink(missing_ok=True)

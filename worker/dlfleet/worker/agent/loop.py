@@ -62,7 +62,7 @@ from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.keeper import CHECKPOINT_DIR_ENV, ImageKeeper
-from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService
+from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worker_endpoint
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
@@ -410,14 +410,11 @@ class Agent:
         return Joining(phase.restart_count + 1)
 
     def _start_server(self) -> tuple[AgentServer, ImageKeeper]:
-        socket_path = (
-            Path(tempfile.gettempdir()) / f"dlworker-{os.getpid()}-{secrets.token_hex(3)}.sock"
-        )
         service = KeeperService(self.orders)
         server = AgentServer(
             service,
             token=self.config.token,
-            socket_path=socket_path,
+            local_address=worker_endpoint(f"dlworker-{os.getpid()}-{secrets.token_hex(3)}"),
             host=self.bind_host,
             published=self.host,
             threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
