@@ -80,8 +80,12 @@ def job(lab: NetLab) -> Iterator[Path]:
     lab.kill_processes()
 
 
-def start_master(lab: NetLab) -> Output:
-    master = Output("dlmaster", lab.popen("m", readme_commands()["dlmaster"], env()))
+def start_master(lab: NetLab, job: Path) -> Output:
+    """README's dlmaster, run in the test's own folder: its default store is
+    the one a user starting there gets (a store holds one job, and host m's
+    /tmp outlives a test)."""
+    command = readme_commands()["dlmaster"]
+    master = Output("dlmaster", lab.popen("m", command, env(), cwd=str(job)))
     master.wait_for(r"listening on", timeout=60)
     return master
 
@@ -136,7 +140,7 @@ def test_readme_commands_train_across_machines_through_a_lost_and_an_added_node(
         "--batch-size", "2", "--sleep-per-step", "0.15",
     )  # fmt: skip
     started = time.monotonic()
-    master = start_master(lab)
+    master = start_master(lab, job)
     nodes = {host: Output(f"node {host}", lab.popen(host, worker, env())) for host in "ab"}
     wait_round(master, {"a", "b"}, timeout=90)
     first_step = wait_steps(ledger, 2 * 12, 120, master, *nodes.values())
@@ -197,7 +201,7 @@ def test_stock_torchrun_trains_across_machines_through_a_lost_and_an_added_node(
 ) -> None:
     """README's torchrun command: the master re-forms the world when host b
     is lost and a node on host c joins, then again when b's node comes back."""
-    master = start_master(lab)
+    master = start_master(lab, job)
     command = with_script(readme_commands()["torchrun"], SCRIPTS / "host_steps.py", str(job), "0.1")
     runs = {host: Output(f"torchrun {host}", lab.popen(host, command, env())) for host in "ab"}
     wait_host_step(job, "hostb", 2, 0.0, master, *runs.values())
@@ -213,7 +217,7 @@ def test_stock_torchrun_trains_across_machines_through_a_lost_and_an_added_node(
 def test_a_loopback_address_in_a_job_on_several_machines_is_refused_naming_the_flag(
     lab: NetLab, job: Path
 ) -> None:
-    master = start_master(lab)
+    master = start_master(lab, job)
     command = readme_commands()["dlworker"]
     loopback = [*command[:1], "--local-addr", "127.0.0.1", *command[1:-1]]
     loopback.append(str(SCRIPTS / "allreduce_steps.py"))
@@ -232,7 +236,7 @@ def test_a_store_published_where_a_node_cannot_reach_it_ends_that_node_naming_th
     """Node a names an address no other machine reaches (--local-addr 10.77.0.9)
     and leads the round: node b says so within the probe's bound, instead of
     waiting on it until the process group's timeout."""
-    start_master(lab)
+    start_master(lab, job)
     command = readme_commands()["dlworker"]
     script = [str(SCRIPTS / "allreduce_steps.py"), str(job), "5", "0.05"]
     flagged = [*command[:-1], "--local-addr", "10.77.0.9", *script]
@@ -255,7 +259,7 @@ def test_a_persist_location_on_each_machines_own_disk_is_reported_at_start(
     """Checkpoints persisted to /tmp/checkpoints: a folder of each machine's
     own. The first round of the two machines says so, naming the location,
     before any step is persisted there."""
-    start_master(lab)
+    start_master(lab, job)
     worker = with_script(
         readme_commands()["dlworker"],
         SCRIPTS / "ledger_train.py",
