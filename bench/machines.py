@@ -28,11 +28,12 @@ stock torchrun with `--rdzv-backend dlfleet --rdzv-endpoint hostm:50051`
 (README's torchrun command), through the same master.
 
 Seen on 2026-11-26 (2 cores, 3 trials): torchrun's c10d rendezvous did not
-recover from the lost machine in any trial: the next round formed with the
-lost node still counted (c10d keeps a participant until its keep-alives lapse),
-the new node waited for a MASTER_ADDR key that the round's rank 0 never wrote
-(`DistStoreError: wait timeout after 60000ms, keys: .../MASTER_ADDR`), and
-torchrun gave up. A failed recovery counts as --timeout in the medians, so the
+recover from the lost machine in any trial: the new node waited for a
+MASTER_ADDR key that the round's rank 0 never wrote (`DistStoreError: wait
+timeout after 60000ms, keys: .../MASTER_ADDR`), node a for the others'
+role_info keys, and torchrun gave up (our reading, not checked in torch's
+code: the round formed with the lost node still counted, as c10d keeps a
+participant until its keep-alives lapse). A failed recovery counts as --timeout in the medians, so the
 ratio is then a lower bound, and the lines above it say so.
 """
 
