@@ -4,6 +4,7 @@ several ranks as threads of one process)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -179,3 +180,28 @@ def test_the_package_root_exports_the_loader() -> None:
     import dlfleet
 
     assert dlfleet.ShardedDataLoader is ShardedDataLoader
+
+
+def test_the_jobs_records_done_move_with_training_within_a_run_of_leased_shards(
+    start_master: Callable[..., Running],
+) -> None:
+    """The whole epoch is leased in one request (4 shards), so no ack goes
+    up before the epoch ends; the master still hears, every second, how far
+    rank 0 has trained, and its status counts it."""
+    running = start_master()
+
+    def records_done() -> int:
+        (dataset,) = running.client.master_status().datasets
+        return int(dataset.records_done)
+
+    with ShardedDataLoader(Records(400), 4, environment=env(running), shard_size=100) as loader:
+        batches = iter(loader)
+        for _ in range(30):
+            next(batches)  # the 30th in hand: 29 batches trained
+        deadline = time.monotonic() + 5
+        while records_done() < 29 * 4:
+            assert time.monotonic() < deadline, f"records done stayed at {records_done()}"
+            time.sleep(0.1)
+        assert records_done() == 29 * 4
+        list(batches)
+    assert records_done() == 400

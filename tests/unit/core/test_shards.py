@@ -181,6 +181,26 @@ def test_expired_lease_returns_unconsumed_remainder_to_head_of_todo() -> None:
     assert status.failed == ()
 
 
+def test_records_trained_move_with_the_renewals_of_live_leases_not_only_with_acks() -> None:
+    h = Harness(epochs=2)
+    first, second = h.shard(A, now=0), h.shard(B, now=0)
+    assert h.book.status(NAME).records_trained == 0
+    h.renew(first, consumed=4, now=1)
+    h.renew(second, consumed=6, now=1)
+    status = h.book.status(NAME)
+    assert (status.records_done, status.records_consumed, status.records_doing) == (0, 10, 10)
+    assert status.records_trained == 10
+    h.done(first, now=2)  # acked: its whole length counts, its renewals no more
+    assert h.book.status(NAME).records_trained == 10 + 6
+    for consumer in (A, B):  # the rest of the epoch, acked
+        h.done(h.shard(consumer, now=3), now=3)
+    h.done(second, now=3)
+    assert h.book.status(NAME).epoch == 1
+    assert h.lease(A, now=4).answer is Answer.END_OF_EPOCH  # A's own end of epoch 0
+    h.renew(h.shard(A, now=4), consumed=3, now=5)
+    assert h.book.status(NAME).records_trained == 40 + 3
+
+
 def test_expiry_does_not_count_against_the_shard() -> None:
     h = Harness(max_shard_failures=1)
     for now in range(0, 5 * (TIMEOUT + 1), TIMEOUT + 1):

@@ -184,11 +184,24 @@ class DatasetStatusView:
     finished: bool
     records_per_epoch: int
     records_done: int
-    records_doing: int
+    records_doing: int  # the untrained rest of the live leases
     records_todo: int
     leases_active: int
     failed: tuple[FailedRange, ...]
     shards_done: int = 0  # shards of the epoch every record of which is DONE
+    # The trained prefix of the live leases, as their renewals last said:
+    # DONE as soon as a lease is released, and trained already.
+    records_consumed: int = 0
+
+    @property
+    def records_trained(self) -> int:
+        """Records trained in all epochs so far: the epochs before this one,
+        this one's DONE, and what the live leases have trained. It moves
+        with training, not only as leases are acked (at an epoch's end, when
+        a request asks for a run of shards at once)."""
+        if self.finished:
+            return self.records_per_epoch * self.config.epochs
+        return self.records_per_epoch * self.epoch + self.records_done + self.records_consumed
 
 
 def whole_shards(done: IntervalSet, config: DatasetConfig) -> int:
@@ -517,7 +530,8 @@ class ShardBook:
 
     def status(self, dataset: str) -> DatasetStatusView:
         ds = self._dataset(dataset)
-        doing = sum(lease.length - lease.consumed for lease in ds.doing.values())
+        consumed = sum(lease.consumed for lease in ds.doing.values())
+        doing = sum(lease.length for lease in ds.doing.values()) - consumed
         done = ds.done.total()
         return DatasetStatusView(
             config=ds.config,
@@ -530,6 +544,7 @@ class ShardBook:
             leases_active=len(ds.doing),
             failed=tuple(ds.failed),
             shards_done=whole_shards(ds.done, ds.config),
+            records_consumed=consumed,
         )
 
     def install(self, state: DatasetState) -> None:

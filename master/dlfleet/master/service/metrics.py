@@ -282,7 +282,9 @@ class StateCollector(Collector):
             labels=["dataset", "epoch", "state"],
         )
         done = GaugeMetricFamily(
-            "dlfleet_dataset_records_done", "Records done in all epochs so far", labels=["dataset"]
+            "dlfleet_dataset_records_done",
+            "Records trained in all epochs so far (acked, and within live leases)",
+            labels=["dataset"],
         )
         expected = GaugeMetricFamily(
             "dlfleet_dataset_records_expected",
@@ -312,12 +314,7 @@ class StateCollector(Collector):
             records.add_metric([name, label, "todo"], view.records_todo)
             records.add_metric([name, label, "doing"], view.records_doing)
             records.add_metric([name, label, "done"], view.records_done)
-            all_done = (
-                per_epoch * total_epochs
-                if view.finished
-                else per_epoch * view.epoch + view.records_done
-            )
-            done.add_metric([name], all_done)
+            done.add_metric([name], view.records_trained)
             expected.add_metric([name], per_epoch * total_epochs)
             leases.add_metric([name], view.leases_active)
             failed.add_metric([name], len(view.failed))

@@ -43,14 +43,13 @@ def master_status(
     for name in sorted(state.book.datasets):
         view = state.book.status(name)
         per_epoch, epochs = view.records_per_epoch, view.config.epochs
-        done = per_epoch * epochs if view.finished else per_epoch * view.epoch + view.records_done
         status.datasets.append(
             job_pb2.DatasetProgress(
                 name=name,
                 epoch=view.epoch,
                 epochs=epochs,
                 records_per_epoch=per_epoch,
-                records_done=done,
+                records_done=view.records_trained,
                 records_total=per_epoch * epochs,
                 failed_shards=len(view.failed),
             )

@@ -25,6 +25,11 @@ Invariants:
 - Every held lease is renewed every third of its time to live, with its
   consumed count; in sync mode a renewal refused because another rank already
   acked the lease is expected and ignored.
+- In sync mode rank 0 also tells the master, every `progress_interval_s`,
+  how far each held lease is trained (a renewal, for the leases that moved):
+  the acks of a run of shards ride on a request that comes only once the run
+  is taken (at the end of an epoch of a few runs), and the job's progress
+  would stand still until then. The other ranks train the same records.
 - A WAIT is retried after the master's `retry_after_ms`, at the same position.
 - Any error ends the thread and is raised to the consumer on its next read.
 """
@@ -52,6 +57,9 @@ _log = logging.getLogger(__name__)
 # fewer is better. The shards stay separate leases, acked, renewed and
 # requeued one by one, so this changes no failure's cost.
 SHARDS_PER_REQUEST = 8
+# How often sync rank 0 tells the master how far its leases are trained: the
+# job's records done (its status, the dashboard) move this often.
+PROGRESS_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class LeaseFetcher:
         refill_below: int | None = None,
         shards_per_request: int = SHARDS_PER_REQUEST,
         renew_interval_s: float | None = None,
+        progress_interval_s: float = PROGRESS_EVERY_S,
     ) -> None:
         self._client = client
         self._ledger = ledger
@@ -103,6 +112,10 @@ class LeaseFetcher:
         self._finished = False
         self._stopping = False
         self._last_renew = time.monotonic()
+        reports = mode is LoaderMode.SYNC and env.rank == 0
+        self._progress_interval_s = progress_interval_s if reports else None
+        self._last_progress = time.monotonic()
+        self._told: dict[int, int] = {}  # lease id -> consumed, as the master last heard
         self._thread = threading.Thread(
             target=self._run, name=f"dlfleet-lease-{dataset}", daemon=True
         )
@@ -222,21 +235,39 @@ class LeaseFetcher:
 
     def _renew_wait(self) -> float | None:
         if self._renew_interval_s is None:
-            return None
-        return max(0.0, self._last_renew + self._renew_interval_s - time.monotonic())
+            return None  # no lease yet
+        due = self._last_renew + self._renew_interval_s
+        if self._progress_interval_s is not None:
+            due = min(due, self._last_progress + self._progress_interval_s)
+        return max(0.0, due - time.monotonic())
 
     def _renew_if_due(self) -> None:
-        """Extend every held lease, telling the master how far it is trained."""
+        """Extend every held lease when due, telling the master how far it is
+        trained; between those, tell it the progress of the leases that moved."""
         if self._renew_interval_s is None:
             return
-        if time.monotonic() < self._last_renew + self._renew_interval_s:
+        now = time.monotonic()
+        renew_all = now >= self._last_renew + self._renew_interval_s
+        progress = (
+            self._progress_interval_s is not None
+            and now >= self._last_progress + self._progress_interval_s
+        )
+        if not (renew_all or progress):
             return
-        self._last_renew = time.monotonic()
+        if renew_all:
+            self._last_renew = now
+        self._last_progress = now
         round_ = self._env.round if self._mode is LoaderMode.SYNC else 0
+        told: dict[int, int] = {}
         for lease_id, consumed in self._ledger.held():
+            told[lease_id] = heard = self._told.get(lease_id, 0)
+            if not renew_all and consumed <= heard:
+                continue
             try:
                 self._client.renew(self._dataset, lease_id, consumed, round=round_)
+                told[lease_id] = consumed
             except StaleError as error:
                 # Another rank of the round may have acked it already. If it
                 # was lost instead, its ack fails loudly on the next request.
                 _log.debug("not renewing lease %d: %s", lease_id, error)
+        self._told = told
