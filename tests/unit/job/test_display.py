@@ -86,3 +86,19 @@ def test_a_failure_restarted_says_restart_and_one_that_ended_the_node_does_not()
     assert "rule diagnosis-off: restart)" in failure_line(restarting=True)
     ended = failure_line(restarting=False)
     assert "rule diagnosis-off: not restarted, restarts spent)" in ended, ended
+
+
+def node_line(metrics: rendezvous_pb2.NodeMetrics) -> str:
+    node = job_pb2.NodeStatus(name="node-0", state="running", metrics=metrics)
+    job = job_pb2.JobStatus(job_name="j", phase="running", nodes=[node])
+    (line,) = [line.strip() for line in status_lines(job) if line.strip().startswith("node-0:")]
+    return line
+
+
+def test_a_node_before_its_first_step_shows_no_pace_rather_than_zero() -> None:
+    starting = node_line(rendezvous_pb2.NodeMetrics(cpu_percent=90, rss_bytes=300 << 20))
+    assert starting == "node-0: no step yet | cpu 90% | rss 300 MiB"
+    training = node_line(
+        rendezvous_pb2.NodeMetrics(samples_per_second=512.0, step_time_ms=62.5, steps=40)
+    )
+    assert training.startswith("node-0: 512.0 samples/s | step 62 ms")

@@ -8,8 +8,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from dlfleet.worker import progress
-from dlfleet.worker.agent.metrics import NodeSampler, descendants
+from dlfleet.worker.agent.metrics import NodeSampler, descendants, rank_rates
+from dlfleet.worker.progress import Counts
 
 # A worker that burns CPU, holds ~64 MiB, and steps 8 samples at a time.
 _WORKER = textwrap.dedent(
@@ -78,3 +81,41 @@ def test_descendants_include_children(tmp_path: Path) -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_rates_are_over_the_times_the_counts_were_written_not_when_they_were_read(
+    tmp_path: Path,
+) -> None:
+    """A worker writes its counts every half second, the agent reads them
+    every heartbeat: a read lags its write by up to half a second, so the
+    time between reads is not the time the counts cover."""
+    (tmp_path / "0").write_text("100 800 1000.0\n")
+    sampler = NodeSampler(tmp_path, [999_999_999])
+    (tmp_path / "0").write_text("150 1200 1000.5\n")  # 50 steps in 0.5 s, read at once
+    metrics = sampler.sample()
+    assert metrics.steps_per_second == pytest.approx(100.0)
+    assert metrics.samples_per_second == pytest.approx(800.0)
+    assert metrics.step_time_ms == pytest.approx(10.0)
+
+
+def test_rank_rates_skip_start_up_and_read_no_new_write_as_no_step() -> None:
+    # From "no step yet" (the loader's announcement) to the first steps: start-up.
+    assert rank_rates(Counts(0, 0, 10.0), Counts(2, 16, 18.0), 1.0) is None
+    assert rank_rates(Counts(2, 16, 18.0), Counts(2, 16, 18.0), 1.0) == (0.0, 0.0)
+    assert rank_rates(Counts(2, 16, 18.0), Counts(12, 96, 18.5), 1.0) == (20.0, 160.0)
+    assert rank_rates(Counts(50, 400, 20.0), Counts(3, 24, 21.0), 1.0) is None  # a new process
+    assert rank_rates(Counts(100, 800), Counts(110, 880), 2.0) == (5.0, 40.0)  # no times
+
+
+def test_a_worker_writes_when_it_counted(tmp_path: Path) -> None:
+    path = tmp_path / "0"
+    code = (
+        "import os, sys; os.environ['DLFLEET_PROGRESS_FILE'] = sys.argv[1]\n"
+        "from dlfleet.worker import progress\n"
+        "progress.step(8)\n"
+    )
+    before = time.monotonic()
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+    counts = progress.read_counts(str(path))
+    assert counts is not None and (counts.steps, counts.samples) == (1, 8)
+    assert counts.at is not None and before <= counts.at <= time.monotonic()

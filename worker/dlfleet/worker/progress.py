@@ -1,9 +1,13 @@
 """Step progress, from a training process to its agent: the watchdog's input.
 
 The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
-writes the process's step and sample counts into it (`"<steps> <samples>"`),
-at most every `MIN_INTERVAL_S` (the first two steps at once), which also
-sets its modification time. The
+writes the process's step and sample counts into it, with when it wrote them
+(`"<steps> <samples> <time.monotonic()>"`, a clock the agent on the same host
+shares), at most every `MIN_INTERVAL_S` (the first two steps at once), which
+also sets its modification time. Rates are taken between the writes' own
+times, not the agent's reads: a read lags its write by up to
+`MIN_INTERVAL_S`, which over a heartbeat of a second would make a steady
+rate read 50% to 150% of itself. The
 agent's `--step-timeout` watchdog restarts the workers when a rank that has
 stepped at least once has not stepped for that long: a silent hang (a
 collective waiting forever, a deadlocked data pipeline) becomes a failure.
@@ -25,12 +29,24 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import NamedTuple
 
 PROGRESS_ENV = "DLFLEET_PROGRESS_FILE"
 MIN_INTERVAL_S = 0.5
 # The first steps are written at once: whether a rank got past its first step
 # decides how its failure is diagnosed (an error before it is the script's).
 FIRST_STEPS_WRITTEN = 2
+
+
+class Counts(NamedTuple):
+    """A progress file's content: steps and samples since the process
+    started, and when they were written (time.monotonic(); None in a file of
+    an older form)."""
+
+    steps: int
+    samples: int
+    at: float | None = None
+
 
 _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
@@ -46,16 +62,16 @@ def step(samples: int = 0) -> None:
     if now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
         return
     _last[0] = now
-    _write()
+    _write(now)
 
 
-def _write() -> None:
+def _write(now: float) -> None:
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
     try:  # whole or not at all: the agent reads it at any moment
         with open(path + ".tmp", "w") as out:
-            out.write(f"{_counts[0]} {_counts[1]}\n")
+            out.write(f"{_counts[0]} {_counts[1]} {now:.6f}\n")
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # a progress signal must never break training
@@ -66,15 +82,18 @@ def announce() -> None:
     "0 0"): a failure before the first step is then known as such. The
     watchdog starts timing at the first step, not here."""
     if _counts[0] == 0:
-        _write()
+        _write(time.monotonic())
 
 
-def read_counts(path: str) -> tuple[int, int] | None:
-    """(steps, samples) from a progress file; None if absent or unreadable."""
+def read_counts(path: str) -> Counts | None:
+    """The counts in a progress file; None if absent or unreadable."""
     try:
         with open(path) as source:
-            steps, samples = source.read().split()
-        return int(steps), int(samples)
+            fields = source.read().split()
+        if len(fields) == 2:
+            return Counts(int(fields[0]), int(fields[1]))
+        steps, samples, at = fields
+        return Counts(int(steps), int(samples), float(at))
     except (OSError, ValueError):
         return None
 

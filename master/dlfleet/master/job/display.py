@@ -82,9 +82,14 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
             lines.append(f"  {node.name}: {node.detail[:140]}")
         elif node.HasField("metrics") and node.state == "running":
             m = node.metrics
+            # Before its first step a node has no pace to show (not a pace of 0).
+            pace = (
+                f"{m.samples_per_second:.1f} samples/s | step {m.step_time_ms:.0f} ms"
+                if m.steps
+                else "no step yet"
+            )
             lines.append(
-                f"  {node.name}: {m.samples_per_second:.1f} samples/s | step "
-                f"{m.step_time_ms:.0f} ms | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
+                f"  {node.name}: {pace} | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
             )
         elif node.state == "faulty" and node.check.faulty:
             check = node.check

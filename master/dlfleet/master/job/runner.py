@@ -48,8 +48,6 @@ import secrets
 import shutil
 import signal
 import socket
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +79,11 @@ from dlfleet.master.job.tally import SupervisorTally, exit_reason
 from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
+from dlfleet.master.service.status_service import samples_per_second
 
 _log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-RATE_WINDOW_S = 15.0
 FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
 MASTER_FILE = "master.json"
 STOP_GRACE_S = 15.0
@@ -137,24 +135,6 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-class Progress:
-    """Records done over time, for samples/s and the ETA."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, int]] = deque()
-
-    def add(self, now: float, done: int) -> None:
-        self._samples.append((now, done))
-        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
-            self._samples.popleft()
-
-    def rate(self) -> float:
-        if len(self._samples) < 2:
-            return 0.0
-        (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
-        return max(0, d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
-
-
 class JobRunner:
     def __init__(self, config: JobConfig, display: Display) -> None:
         self.config = config
@@ -164,7 +144,6 @@ class JobRunner:
         self.phase = "running"
         self.reason = ""
         self.result: JobResult | None = None
-        self.progress = Progress()
         self.master: SupervisedMaster | None = None
         self.client: MasterClient | None = None
         self.view = job_pb2.MasterStatus()  # the master's last answer
@@ -703,10 +682,11 @@ class JobRunner:
                 if node.name in self.checks:
                     entry.check.CopyFrom(self.checks[node.name])
                 status.nodes.append(entry)
-        done = sum(ds.records_done for ds in view.datasets)
+        # What the nodes train now, as the master's status sums it too: a rate
+        # taken from records done over a window would count the start-up in
+        # it (the job's first seconds train nothing) and lag every change.
+        status.samples_per_second = samples_per_second(status.nodes)
         remaining = sum(ds.records_total - ds.records_done for ds in view.datasets)
-        self.progress.add(time.monotonic(), done)
-        status.samples_per_second = self.progress.rate()
         if status.samples_per_second > 0:
             status.eta_seconds = remaining / status.samples_per_second
         last = self._last_failure()

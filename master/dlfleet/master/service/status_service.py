@@ -67,6 +67,13 @@ def master_status(
     return status
 
 
+def samples_per_second(nodes: Iterable[job_pb2.NodeStatus]) -> float:
+    """The job's rate: the sum of its nodes' latest rates (each node's over
+    its ranks, over its last heartbeat), which is what the training script
+    measures too. One rule for the master's status and the supervisor's."""
+    return sum(node.metrics.samples_per_second for node in nodes if node.HasField("metrics"))
+
+
 def global_ranks(state: MasterState) -> dict[str, range]:
     """Each member of the active round: the global ranks of its processes
     (members in group-rank order, each taking its local world size of ranks)."""
@@ -112,10 +119,10 @@ def job_status(
         report = by_node.get(record.node_id)
         if report is not None:
             entry.metrics.CopyFrom(report.metrics)
-            status.samples_per_second += report.metrics.samples_per_second
         if record.node_id in checks:
             entry.check.CopyFrom(checks[record.node_id])
         status.nodes.append(entry)
+    status.samples_per_second = samples_per_second(status.nodes)
     if view.failures:
         status.last_failure.CopyFrom(view.failures[-1])
     status.checkpoints.CopyFrom(view.checkpoints)

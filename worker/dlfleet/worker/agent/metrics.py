@@ -3,8 +3,9 @@
 CPU time and resident memory come from /proc for each worker process and its
 descendants (DataLoader workers included); step and sample counts from the
 workers' progress files (`dlfleet.worker.progress`); the memory limit from the
-node's cgroup. Rates are over the time since the last sample. Linux only:
-elsewhere the /proc parts read as zero.
+node's cgroup. CPU is over the time since the last sample; steps and samples
+over the time between the progress files' writes (`rank_rates`), which is
+when they were counted. Linux only: elsewhere the /proc parts read as zero.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlfleet.api.v1 import rendezvous_pb2
-from dlfleet.worker.progress import read_counts
+from dlfleet.worker.progress import Counts, read_counts
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -50,6 +51,23 @@ def _rss_bytes(pid: int) -> int:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def rank_rates(before: Counts, after: Counts, elapsed: float) -> tuple[float, float] | None:
+    """(steps/s, samples/s) of one rank between two reads of its progress
+    file `elapsed` seconds apart; None when there is nothing to measure (a
+    new process, or the start-up before the first step)."""
+    if after.steps < before.steps:
+        return None  # another process: its counts start again
+    if after.at is None or before.at is None:  # a file without times
+        span = elapsed
+    elif after.at <= before.at:
+        return 0.0, 0.0  # no step written since the last read
+    elif before.steps == 0:
+        return None  # from "no step yet" to the first steps: start-up, not pace
+    else:
+        span = after.at - before.at
+    return (after.steps - before.steps) / span, (after.samples - before.samples) / span
 
 
 def memory_limit_bytes() -> int:
@@ -89,7 +107,7 @@ class NodeSampler:
         self._note_steps(self._read_counts())
         return self.most_steps
 
-    def _note_steps(self, counts: Sequence[tuple[int, int] | None]) -> None:
+    def _note_steps(self, counts: Sequence[Counts | None]) -> None:
         for count in counts:
             if count is not None:
                 self.most_steps = max(self.most_steps or 0, count[0])
@@ -97,7 +115,7 @@ class NodeSampler:
     def _cpu_total(self) -> dict[int, float]:
         return {pid: _cpu_seconds(pid) for root in self.pids for pid in descendants(root)}
 
-    def _read_counts(self) -> list[tuple[int, int] | None]:
+    def _read_counts(self) -> list[Counts | None]:
         return [read_counts(str(self.progress_dir / str(rank))) for rank in range(len(self.pids))]
 
     def sample(self) -> rendezvous_pb2.NodeMetrics:
@@ -112,13 +130,13 @@ class NodeSampler:
         self._note_steps(counts)
         step_rates, samples, step_times = [], 0.0, []
         for before, after in zip(self._counts, counts, strict=True):
-            if before is None or after is None or after[0] < before[0]:
+            rates = rank_rates(before, after, elapsed) if before and after else None
+            if rates is None:
                 continue
-            steps = after[0] - before[0]
-            step_rates.append(steps / elapsed)
-            samples += (after[1] - before[1]) / elapsed
-            if steps > 0:
-                step_times.append(elapsed * 1000 / steps)
+            step_rates.append(rates[0])
+            samples += rates[1]
+            if rates[0] > 0:
+                step_times.append(1000 / rates[0])
         metrics = rendezvous_pb2.NodeMetrics(
             cpu_percent=100.0 * max(0.0, used) / elapsed,
             rss_bytes=rss,
