@@ -109,17 +109,18 @@ function prune(history, now, keepMs) {
   while (history.length > 0 && history[0].t < now - keepMs) history.shift();
 }
 
-/** Records per second over the last RATE_WINDOW_MS of `history` ({t, v}). */
+/** Records per second over the last RATE_WINDOW_MS of `history` ({t, v}),
+ * from the last point before the count moved: a stretch at the window's start
+ * where nothing was trained (the job starting, a round forming) is no part of
+ * the pace, or a short job reads half the samples/s its nodes train. */
 function rateOf(history) {
   if (history.length < 2) return null;
   const last = history[history.length - 1];
-  let first = history[0];
-  for (const point of history) {
-    if (point.t >= last.t - RATE_WINDOW_MS) {
-      first = point;
-      break;
-    }
+  let start = history.findIndex((point) => point.t >= last.t - RATE_WINDOW_MS);
+  if (last.v !== history[start].v) {
+    while (history[start + 1].v === history[start].v) start += 1;
   }
+  const first = history[start];
   if (last.t - first.t < 1500) return null;
   return ((last.v - first.v) * 1000) / (last.t - first.t);
 }
