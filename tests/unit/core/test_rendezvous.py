@@ -316,6 +316,54 @@ def test_an_event_is_journaled_as_its_type_and_fields_as_asdict_gives_them() -> 
         assert event.to_json() == expected
 
 
+def test_after_a_restart_a_waiting_node_is_not_formed_into_a_round_until_it_joins_again() -> None:
+    # The earlier run's node "old" waited alone for a round of 2 when its
+    # master died; the new master runs rounds of 1. Registered (its record
+    # recovered), it must still join again to be counted: it may be dead.
+    r = rdzv(min_nodes=2, max_nodes=2)
+    join(r, "old", 0)
+    r = replayed(r, rdzv(min_nodes=1, max_nodes=1))
+    r.restarted({"old"}, 10_000)
+    assert r.state.waiting == {}
+    assert formed(r.tick(10_000 + 10 * LAST_CALL)) is None
+    round_ = formed(join(r, "new", 20_000)) or formed(r.tick(20_000 + LAST_CALL))
+    assert round_ is not None and [m.node_id for m in round_.members] == ["new"]
+
+
+def test_after_a_restart_the_survivors_of_a_closed_round_are_still_expected_back() -> None:
+    r = rdzv(min_nodes=1, max_nodes=3)
+    for node in "abc":
+        join(r, node, 0)
+    r.remove("c", "died", 100)
+    join(r, "a", 110)  # b has not re-joined when the master dies
+    r.restarted({"a", "b"}, 200)
+    assert r.state.expected == {"a", "b"} and not r.state.waiting
+    assert formed(join(r, "a", 210)) is None
+    round_ = formed(join(r, "b", 220))  # everyone back: no last call to wait out
+    assert round_ is not None and {m.node_id for m in round_.members} == {"a", "b"}
+
+
+def test_after_a_restart_a_member_the_node_table_lost_closes_its_round() -> None:
+    r = rdzv(min_nodes=1, max_nodes=2)
+    join(r, "a", 0)
+    join(r, "b", 0)
+    r.remove("b", "succeeded", 5, close_round=False)  # finished: leaves no gap
+    events = r.restarted({"a"}, 10)  # b finished; a is registered
+    assert events == [] and r.state.active is not None
+    events = r.restarted(set(), 20)  # a was lost just before the restart
+    assert any(
+        isinstance(e, RoundClosed) and "a is not registered with the restarted master" in e.reason
+        for e in events
+    )
+    assert r.state.active is None and r.state.expected == set()
+
+
+def replayed(r: Rendezvous, fresh: Rendezvous) -> Rendezvous:
+    """`fresh` (a restarted master's settings) with `r`'s state, as replay gives it."""
+    fresh.state = r.state
+    return fresh
+
+
 class RendezvousMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -346,6 +394,15 @@ class RendezvousMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from("abcdefg"))
     def finishes(self, node: str) -> None:
         self._record(self.r.remove(node, "succeeded", self.now, close_round=False))
+
+    @rule(registered=st.sets(st.sampled_from("abcdefg")))
+    def master_restarts(self, registered: set[str]) -> None:
+        self._record(self.r.restarted(registered, self.now))
+        assert not self.r.state.waiting
+        active = self.r.state.active
+        members = {m.node_id for m in active.members} if active is not None else set()
+        assert members - self.r.state.finished <= registered
+        assert self.r.state.expected <= registered
 
     @rule(dt=st.integers(1, 200))
     def time_passes(self, dt: int) -> None:

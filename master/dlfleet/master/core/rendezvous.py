@@ -18,6 +18,8 @@ Rules (SPEC section 3):
   sizes by group rank.
 - A node waiting longer than `join_timeout` for a round that cannot form is
   dropped with a clear reason.
+- After a master restart, a node is counted only once it joins again (alive);
+  one the node table no longer holds leaves the rendezvous (`restarted`).
 
 Every operation validates, then applies events (see `RendezvousEvent`); the
 same `apply` replays the journal after a master restart. Time is `now_ms`.
@@ -29,6 +31,7 @@ import dataclasses
 import heapq
 import itertools
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -229,6 +232,14 @@ class NodeDropped(RendezvousEvent):
 
 
 @dataclass(frozen=True)
+class JoinsForgotten(RendezvousEvent):
+    """A master restarted: these nodes wait for a round no longer until they
+    join again (see `Rendezvous.restarted`). They stay expected if they were."""
+
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RoundClosed(RendezvousEvent):
     round: int
     reason: str
@@ -254,7 +265,7 @@ class RoundFormed(RendezvousEvent):
 
 RENDEZVOUS_EVENTS: dict[str, type[RendezvousEvent]] = {
     kind.__name__: kind
-    for kind in (NodeJoined, NodeDropped, RoundClosed, RoundFormed, MemberFinished)
+    for kind in (NodeJoined, NodeDropped, RoundClosed, RoundFormed, MemberFinished, JoinsForgotten)
 }
 
 
@@ -410,6 +421,32 @@ class Rendezvous:
         events += self.tick(now_ms)
         return events
 
+    def restarted(self, registered: Collection[str], now_ms: int) -> list[RendezvousEvent]:
+        """After a master restart, before anyone is served: count only nodes
+        that are alive. The nodes that were waiting wait no longer until they
+        join again, for a join (on its session with this master) is what says
+        a node is alive: an earlier run's node, killed with its master, would
+        otherwise be formed into a round with the live ones, who then wait in
+        a process group it never joins. Live agents send their joins again as
+        their sessions reconnect. Nodes the node table no longer holds (not in
+        `registered`: lost just before the restart, before the rendezvous
+        heard of it) leave the rendezvous: a round they are members of closes
+        (its survivors re-join), and nobody waits for them to come back."""
+        state = self.state
+        events: list[RendezvousEvent] = []
+        if state.waiting:
+            self._emit(events, JoinsForgotten(tuple(state.waiting)))
+        why = "is not registered with the restarted master"
+        active = state.active
+        if active is not None:
+            lost = [m.node_id for m in active.members if m.node_id not in state.finished]
+            for node_id in sorted(set(lost).difference(registered)):
+                events += self.remove(node_id, why, now_ms)
+        # Also the finished members of a round that closed just now.
+        for node_id in sorted(state.expected.difference(registered)):
+            events += self.remove(node_id, why, now_ms)
+        return events
+
     def tick(self, now_ms: int) -> list[RendezvousEvent]:
         """Form the next round if it is due; drop joiners that waited too long."""
         events: list[RendezvousEvent] = []
@@ -524,6 +561,9 @@ class Rendezvous:
         elif isinstance(event, MemberFinished):
             assert state.active is not None and state.active.round == event.round
             state.finished.add(event.node_id)
+        elif isinstance(event, JoinsForgotten):
+            for node_id in event.node_ids:
+                state.remove_waiting(node_id)
         elif isinstance(event, RoundFormed):
             state.active = Round(
                 event.round, event.members, event.bootstrap_host, event.bootstrap_port,

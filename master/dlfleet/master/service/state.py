@@ -14,6 +14,9 @@ order with the same `apply` the live master used. Afterwards every live lease
 and node gets a fresh timeout, so the master's own downtime expires nothing,
 and checkpoint copies on nodes the node table no longer holds are dropped (a
 node forgotten just before a crash, before its copies' loss was written).
+But no node is counted in a round before it is heard from: the nodes that
+were waiting for a round must join again, and nodes the node table no longer
+holds leave the rendezvous (`Rendezvous.restarted`).
 
 Lives in the master service process.
 """
@@ -115,6 +118,9 @@ class MasterState:
         lost = state.checkpoints.nodes_gone_except(live)
         if lost:
             state.persist_checkpoints(lost).result()
+        restarted = state.rendezvous.restarted(live, now_ms)
+        if restarted:
+            state.persist_rendezvous(restarted).result()
         if streams:
             _log.info(
                 "recovered %d datasets and %d nodes from the store",
