@@ -29,10 +29,12 @@ DATASET = "demo"
 PATIENT = RetryPolicy(attempts=500, initial_backoff_s=0.02, max_backoff_s=0.25, total_budget_s=60)
 
 
-def start_master(store: str, token: str, port: int = 0) -> tuple[subprocess.Popen[str], int]:
+def start_master(
+    store: str, token: str, port: int = 0, resume: bool = False
+) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlfleet.master", "--port", str(port), "--store", store,
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", *(["--resume"] if resume else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "DLFLEET_TOKEN": token},
     )  # fmt: skip
@@ -117,7 +119,7 @@ def main() -> int:
                 master.kill()
                 master.wait()
                 time.sleep(1)
-                master, _ = start_master(store, token, port)
+                master, _ = start_master(store, token, port, resume=True)
                 killed = True
             time.sleep(0.5)
     for p in procs:

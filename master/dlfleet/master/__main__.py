@@ -7,10 +7,12 @@
     dlmaster --port 50051 --http-port 8080 ...   # also /metrics and /api/v1/status
 
 Serve mode prints `listening on HOST:PORT` once it accepts requests (after
-`http on URL` when --http-port is given). Either
-way, a master started again on the same store continues where the last one
-stopped. Bad flags or a bad job.yaml exit with code 2 before anything starts,
-and so does a port that is in use (one line naming it and its flag or setting).
+`http on URL` when --http-port is given). A store holds one job: a master
+started again on the same store with --resume continues where the last one
+stopped (the job supervisor restarts its master so); without --resume, a
+store that holds a job is refused. Bad flags or a bad job.yaml exit with
+code 2 before anything starts, and so do a port that is in use and a store
+that is refused (one line naming it and its flag or setting).
 
 This module only parses the flags and dispatches: serve mode becomes the master
 service process (`dlfleet.master.service.app`); `--job-config` the job
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.errors import DlfleetError
+from dlfleet.master.core.job_identity import StoreClaimError, StoreHoldsAnotherJob
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.node_check import NodeCheckSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
@@ -40,6 +43,7 @@ from dlfleet.master.service.server import load_tls_pair
 from dlfleet.master.service.state import MasterSettings
 
 TOKEN_ENV = "DLFLEET_TOKEN"
+DEFAULT_STORE = "sqlite:///dlfleet-master.db"
 PORT_FLAGS = {Endpoint.GRPC: "--port", Endpoint.HTTP: "--http-port"}
 
 
@@ -60,8 +64,17 @@ def _parser() -> argparse.ArgumentParser:
         "--state-store",
         "--store",
         dest="store",
-        default="sqlite:///dlfleet-master.db",
-        help="SQLAlchemy URL of the durable store (default sqlite:///dlfleet-master.db)",
+        default=DEFAULT_STORE,
+        help=f"SQLAlchemy URL of the durable store of this job (default {DEFAULT_STORE}, in "
+        "the current directory). A store holds one job: a store that already holds one is "
+        "refused unless --resume is given",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the job the state store holds (a master restarted after a crash); "
+        "it must be the job of --job-name. Without it a new job starts, on a store that "
+        "holds none",
     )
     p.add_argument("--job-name", default="job", help="nodes of other jobs are rejected")
     p.add_argument("--token-file", type=Path, help="file holding the job token")
@@ -176,6 +189,19 @@ def _http(args: argparse.Namespace) -> HttpSettings | None:
     )
 
 
+def _claim_advice(exc: StoreClaimError, args: argparse.Namespace) -> str:
+    """How to go on from a store this master may not take (after its reason)."""
+    new_job = "or another --state-store (a new file or database) to start a new job"
+    if isinstance(exc, StoreHoldsAnotherJob):
+        return f": pass --job-name {exc.held_name} --resume to continue that job, {new_job}"
+    default = (
+        f" (the default store: {DEFAULT_STORE} in the current directory, {os.getcwd()})"
+        if args.store == DEFAULT_STORE
+        else ""
+    )
+    return f", and a store holds one job: pass --resume to continue that job, {new_job}{default}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("scale", "status"):
@@ -225,8 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                 tls=args.tls,
                 forget_nodes=args.forget_nodes,
                 http=_http(args),
+                resume=args.resume,
             )
         )
+    except StoreClaimError as exc:
+        print(f"dlmaster: --state-store {exc}{_claim_advice(exc, args)}", file=sys.stderr)
+        return 2
     except PortInUse as exc:
         flag = PORT_FLAGS[exc.endpoint]
         print(

@@ -95,7 +95,7 @@ def test_sigkilled_master_restarted_on_same_store_loses_and_duplicates_nothing(
     master.kill()
     downtime_started = time.monotonic()
     time.sleep(0.5)
-    master = master_process(store_url, port=master.port)
+    master = master_process(store_url, "--resume", port=master.port)
     assert time.monotonic() - downtime_started < 15
 
     with MasterClient(master.address, token="test-token", retry=PATIENT) as client:

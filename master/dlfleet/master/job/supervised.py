@@ -61,12 +61,17 @@ class SupervisedMaster:
         return self.proc.pid if self.proc is not None else 0
 
     def command(self, forget_nodes: bool) -> list[str]:
+        """Always with --resume: the job's store is this job's, on purpose (a
+        restarted master continues it; a job that failed or was stopped
+        resumes from it; one that succeeded got a fresh workdir, see
+        `JobRunner`), and a store of another job's name is still refused."""
         config = self.config
         command = [
             self.python, "-u", "-m", "dlfleet.master",
             "--host", config.master.host,
             "--port", str(self.port),
             "--state-store", config.store_url,
+            "--resume",
             "--job-name", config.name,
             "--lease-timeout", str(config.lease_timeout_s),
             "--heartbeat-interval", str(config.heartbeat.interval_s),

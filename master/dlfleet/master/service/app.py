@@ -55,17 +55,20 @@ async def serve(
     tls: tuple[bytes, bytes] | None,
     forget_nodes: bool,
     http: HttpSettings | None = None,
+    resume: bool = False,
 ) -> None:
     """Serve on `host:port` (0 = a free port) until SIGINT or SIGTERM, printing
     `dlmaster: listening on HOST:PORT` once requests are accepted. With
     `http`, the HTTP endpoint too, announced first as `dlmaster: http on URL`.
     With `forget_nodes`, the nodes recovered from the store are dropped at
-    once. A port in use is `PortInUse`, before the store is even opened."""
+    once. A port in use is `PortInUse`, before the store is even opened; a
+    store that holds a job this master may not take (another job's, or any
+    without `resume`) is `StoreClaimError` (`MasterState.recover`)."""
     check_port_free(Endpoint.GRPC, host, port)
     if http is not None:
         check_port_free(Endpoint.HTTP, http.host, http.port)
     store = open_store(store_url)
-    state = MasterState.recover(store, settings, system_clock())
+    state = MasterState.recover(store, settings, system_clock(), resume=resume)
     server = MasterServer(state, token=token, host=host, port=port, tls=tls, http=http)
     try:
         bound = await server.start()

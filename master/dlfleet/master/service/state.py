@@ -9,6 +9,10 @@ store then drops the entries before it); "nodes" holds registrations;
 checkpoint table's events and, every `checkpoints_compact_every` events, a full
 snapshot of that table (so the stream stays short however long the job runs).
 
+The "job" stream holds the job's identity (`core.job_identity`): a master
+continues the job a store holds only when told to resume it, and only the
+job of its own name; a new job writes its identity first.
+
 Recovery = per stream: latest checkpoint, then every later entry, applied in
 order with the same `apply` the live master used. Afterwards every live lease
 and node gets a fresh timeout, so the master's own downtime expires nothing,
@@ -36,16 +40,18 @@ from dlfleet.master.core.checkpoint_events import CheckpointEvent
 from dlfleet.master.core.checkpoints import CheckpointSettings, CheckpointTable
 from dlfleet.master.core.codec import dump_dataset, load_dataset
 from dlfleet.master.core.events import EVENT_TYPES, Event
+from dlfleet.master.core.job_identity import JobId, JobIdentity, claim_store
 from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
 from dlfleet.master.core.node_check import NodeCheckBoard, NodeCheckSettings
 from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, RendezvousSettings
 from dlfleet.master.core.shards import ShardBook, ShardSettings
 from dlfleet.master.core.suspicion import SUSPECT_AFTER_ROUNDS, NetworkSuspicion
-from dlfleet.master.store.base import StateStore, StoreError
+from dlfleet.master.store.base import StateStore, StoreError, StreamState
 from dlfleet.master.store.groupcommit import CommitSink, GroupCommitter
 
 _log = logging.getLogger(__name__)
 
+JOB_STREAM = "job"
 NODES_STREAM = "nodes"
 RENDEZVOUS_STREAM = "rendezvous"
 DATASET_PREFIX = "dataset/"
@@ -92,6 +98,8 @@ class MasterState:
         # master restart, the counting starts over).
         self.suspicion = NetworkSuspicion(settings.network_suspect_rounds)
         self._store = store
+        # The job the store holds, once `recover` took it.
+        self.identity: JobIdentity | None = None
         self._committer = GroupCommitter(store)
         self._since_checkpoint: Counter[str] = Counter()
         # Shown every shard event as it is persisted (the metrics count them).
@@ -100,15 +108,20 @@ class MasterState:
     # ------------------------------------------------------------ recovery
 
     @classmethod
-    def recover(cls, store: StateStore, settings: MasterSettings, now_ms: int) -> MasterState:
+    def recover(
+        cls, store: StateStore, settings: MasterSettings, now_ms: int, *, resume: bool = True
+    ) -> MasterState:
+        """The master's state from `store`. A store that holds a job's state is
+        continued only with `resume` (`dlmaster --resume`), and only if that
+        job is `settings.job_name`: else StoreHoldsAJob or StoreHoldsAnotherJob
+        (`core.job_identity`), with nothing written."""
         state = cls(store, settings)
-        streams = store.load()
-        for stream, stored in sorted(streams.items()):
-            payloads = [stored.checkpoint.payload] if stored.checkpoint else []
-            payloads += [entry.payload for entry in stored.entries]
-            for payload in payloads:
-                state._replay(stream, json.loads(payload))
-            state._since_checkpoint[stream] = len(stored.entries)
+        try:
+            streams = store.load()
+            identity = state._claim(streams, now_ms, resume)
+        except BaseException:
+            state.close()
+            raise
         for record in state.nodes.nodes.values():
             record.last_seen_ms = now_ms
         rearmed = state.book.rearm(now_ms)
@@ -121,13 +134,48 @@ class MasterState:
         restarted = state.rendezvous.restarted(live, now_ms)
         if restarted:
             state.persist_rendezvous(restarted).result()
-        if streams:
-            _log.info(
-                "recovered %d datasets and %d nodes from the store",
-                len(state.book.datasets),
-                len(state.nodes.nodes),
-            )
+        state.identity = identity
         return state
+
+    def _claim(self, streams: dict[str, StreamState], now_ms: int, resume: bool) -> JobIdentity:
+        """Replay `streams` and take the store for this master's job (writing
+        its identity when it is new), or refuse it before anything is written."""
+        identities = streams.pop(JOB_STREAM, None)  # the last one written holds
+        held = JobIdentity.from_json(identities.entries[-1].payload) if identities else None
+        for stream, stored in sorted(streams.items()):
+            payloads = [stored.checkpoint.payload] if stored.checkpoint else []
+            payloads += [entry.payload for entry in stored.entries]
+            for payload in payloads:
+                self._replay(stream, json.loads(payload))
+            self._since_checkpoint[stream] = len(stored.entries)
+        contents = self._contents() if streams else ""
+        claim = claim_store(
+            held,
+            contents,
+            store=self._store.url,
+            job_name=self.settings.job_name,
+            resume=resume,
+            new_id=JobId(secrets.token_hex(8)),
+            now_ms=now_ms,
+        )
+        if claim.write:
+            self._committer.submit([(JOB_STREAM, claim.identity.to_json())]).result()
+        if claim.resumed:
+            _log.info("resuming %s from %s", claim.identity.describe(contents), self._store.url)
+        else:
+            _log.info("%s starts in %s", claim.identity.describe(), self._store.url)
+        return claim.identity
+
+    def _contents(self) -> str:
+        """What the recovered state holds, in words, for the logs and for a
+        master that may not take the store."""
+        last_round = self.rendezvous.state.last_round
+        datasets, nodes = len(self.book.datasets), len(self.nodes.nodes)
+        return (
+            (f"round {last_round}" if last_round else "no round formed yet")
+            + f", {datasets} dataset{'' if datasets == 1 else 's'}"
+            + f", {nodes} node{'' if nodes == 1 else 's'} registered"
+        )
 
     def _replay(self, stream: str, data: dict[str, Any]) -> None:
         kind = data.get("t")

@@ -52,6 +52,11 @@ class StreamState:
 
 
 class StateStore(abc.ABC):
+    @property
+    def url(self) -> str:
+        """Where the store is, for messages (never with a password)."""
+        return type(self).__name__
+
     @abc.abstractmethod
     def append(self, entries: Sequence[tuple[str, str]]) -> int:
         """Durably append (stream, payload) pairs in one transaction.
