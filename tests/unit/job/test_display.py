@@ -102,3 +102,11 @@ def test_a_node_before_its_first_step_shows_no_pace_rather_than_zero() -> None:
         rendezvous_pb2.NodeMetrics(samples_per_second=512.0, step_time_ms=62.5, steps=40)
     )
     assert training.startswith("node-0: 512.0 samples/s | step 62 ms")
+
+
+def test_a_running_job_shows_its_pace_and_an_ended_one_does_not() -> None:
+    running = job_pb2.JobStatus(job_name="j", phase="running", samples_per_second=963.4)
+    running.eta_seconds = 75
+    assert "  963.4 samples/s | ETA 1m15s" in status_lines(running)
+    ended = job_pb2.JobStatus(job_name="j", phase="succeeded", eta_seconds=-1)
+    assert not [line for line in status_lines(ended) if "samples/s" in line or "ETA" in line]

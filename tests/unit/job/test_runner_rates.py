@@ -71,3 +71,8 @@ def test_the_sum_counts_only_nodes_with_metrics() -> None:
         job_pb2.NodeStatus(name="b"),
     ]
     assert samples_per_second(nodes) == 2.5
+
+
+def test_a_job_with_every_record_done_has_nothing_left_to_wait_for(runner: JobRunner) -> None:
+    runner.view = master_view(8192, {})
+    assert runner.status().eta_seconds == 0

@@ -74,9 +74,9 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
             f"  {ds.name}: epoch {min(ds.epoch + 1, ds.epochs)}/{ds.epochs} "
             f"| {ds.records_done}/{ds.records_total} records ({percent:.1f}%){failed}"
         )
-    lines.append(
-        f"  {status.samples_per_second:.1f} samples/s | ETA {format_duration(status.eta_seconds)}"
-    )
+    if status.phase == "running":  # an ended job has no pace, and nothing left to wait for
+        eta = format_duration(status.eta_seconds)
+        lines.append(f"  {status.samples_per_second:.1f} samples/s | ETA {eta}")
     for node in status.nodes:
         if node.detail and node.state == "starting":
             lines.append(f"  {node.name}: {node.detail[:140]}")

@@ -687,7 +687,9 @@ class JobRunner:
         # it (the job's first seconds train nothing) and lag every change.
         status.samples_per_second = samples_per_second(status.nodes)
         remaining = sum(ds.records_total - ds.records_done for ds in view.datasets)
-        if status.samples_per_second > 0:
+        if view.datasets and remaining == 0:
+            status.eta_seconds = 0
+        elif status.samples_per_second > 0:
             status.eta_seconds = remaining / status.samples_per_second
         last = self._last_failure()
         if last is not None:
