@@ -33,8 +33,9 @@ MASTER_ADDR key that the round's rank 0 never wrote (`DistStoreError: wait
 timeout after 60000ms, keys: .../MASTER_ADDR`), node a for the others'
 role_info keys, and torchrun gave up (our reading, not checked in torch's
 code: the round formed with the lost node still counted, as c10d keeps a
-participant until its keep-alives lapse). A failed recovery counts as --timeout in the medians, so the
-ratio is then a lower bound, and the lines above it say so.
+participant until its keep-alives lapse). A failed recovery counts as
+--timeout in the medians, so the ratio is then a lower bound, and the lines
+above it say so.
 """
 
 from __future__ import annotations
