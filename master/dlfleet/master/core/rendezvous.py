@@ -240,6 +240,16 @@ class JoinsForgotten(RendezvousEvent):
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """No round yet (not an event: nothing changes): why, in one line for the
+    waiting nodes' logs, and when that answer runs out unless a node joins or
+    leaves (ms: the last call's end, or the join timeout)."""
+
+    reason: str
+    until_ms: int
+
+
+@dataclass(frozen=True)
 class RoundClosed(RendezvousEvent):
     round: int
     reason: str
@@ -453,8 +463,8 @@ class Rendezvous:
         state = self.state
         if state.active is not None:
             return events
-        formed = self._decide_round(now_ms)
-        if formed is not None:
+        formed = self._decide_round(now_ms) if state.waiting else None
+        if isinstance(formed, RoundFormed):
             self._emit(events, formed)
             return events
         timeout = self.settings.join_timeout_ms
@@ -517,7 +527,6 @@ class Rendezvous:
             return ""
         names = sorted(state.waiting)[:shown]
         joined = f"{count} node(s) waiting ({', '.join(names)}{', ...' if count > shown else ''})"
-        gives_up = (state.first_join_ms() + settings.join_timeout_ms - now_ms) / 1000
         active = state.active
         if active is not None:
             return (
@@ -525,19 +534,9 @@ class Rendezvous:
                 f"max_nodes {settings.max_nodes}: they join when it re-forms (a node leaves or "
                 "fails)"
             )
-        size = min(count, settings.max_nodes) // settings.node_unit * settings.node_unit
-        if size < settings.min_nodes:
-            unit = f" in multiples of {settings.node_unit}" if settings.node_unit > 1 else ""
-            return (
-                f"{joined}; a round needs min_nodes {settings.min_nodes}{unit}: waiting for "
-                f"{settings.min_nodes - size} more, at most {max(gives_up, 0):.0f}s more "
-                "(join_timeout)"
-            )
-        forms_in = (state.last_join_ms() + settings.last_call_timeout_ms - now_ms) / 1000
-        return (
-            f"{joined}; a round of {size} forms in {max(forms_in, 0):.1f}s (last call) unless "
-            f"more join, at once with max_nodes {settings.max_nodes}"
-        )
+        decision = self._decide_round(now_ms)
+        reason = decision.reason if isinstance(decision, Waiting) else "a round forms now"
+        return f"{joined}; {reason}"
 
     # ----------------------------------------------------------------- apply
 
@@ -588,18 +587,28 @@ class Rendezvous:
         possible = min(self.settings.max_nodes, active.world_size + len(self.state.waiting))
         return possible // unit * unit > active.world_size
 
-    def _decide_round(self, now_ms: int) -> RoundFormed | None:
+    def _decide_round(self, now_ms: int) -> RoundFormed | Waiting:
+        """The round the waiting nodes form now, or why they wait (some must)."""
         state, settings = self.state, self.settings
         count = len(state.waiting)
-        if count < settings.min_nodes:
-            return None
-        everyone_back = state.everyone_back()
-        last_call_over = now_ms - state.last_join_ms() >= settings.last_call_timeout_ms
-        if count < settings.max_nodes and not everyone_back and not last_call_over:
-            return None
         size = min(count, settings.max_nodes) // settings.node_unit * settings.node_unit
         if size < settings.min_nodes:
-            return None
+            gives_up_ms = state.first_join_ms() + settings.join_timeout_ms
+            unit = f" in multiples of {settings.node_unit}" if settings.node_unit > 1 else ""
+            return Waiting(
+                f"a round needs min_nodes {settings.min_nodes}{unit}: waiting for "
+                f"{settings.min_nodes - size} more, at most "
+                f"{max(gives_up_ms - now_ms, 0) / 1000:.0f}s more (join_timeout)",
+                gives_up_ms,
+            )
+        everyone_back = state.everyone_back()
+        last_call_ms = state.last_join_ms() + settings.last_call_timeout_ms
+        if count < settings.max_nodes and not everyone_back and now_ms < last_call_ms:
+            return Waiting(
+                f"a round of {size} forms in {(last_call_ms - now_ms) / 1000:.1f}s (last call) "
+                f"unless more join, at once with max_nodes {settings.max_nodes}",
+                last_call_ms,
+            )
         joined = list(state.waiting.values())
         # Previous members first, keeping their order; then newcomers by join time.
         ranked = sorted(
