@@ -21,19 +21,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from dlfleet.api.env import BRAIN_DB_ENV, BRAIN_TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
 from dlfleet.brain.api import DEFAULT_DB_URL
 
 # Flags are checked before the database and gRPC libraries are imported (in
 # the commands), so a mistake is answered at once.
 
-TOKEN_ENV = "DLFLEET_BRAIN_TOKEN"
-DB_ENV = "DLFLEET_BRAIN_DB"
 DEFAULT_PORT = 50052
 
 
 def _db_default() -> str:
-    return os.environ.get(DB_ENV, DEFAULT_DB_URL)
+    return os.environ.get(BRAIN_DB_ENV, DEFAULT_DB_URL)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -43,14 +42,17 @@ def _serve_parser() -> argparse.ArgumentParser:
         "Also: `dlbrain report JOB`, `dlbrain migrate`.",
     )
     p.add_argument(
-        "--db", default=_db_default(), help=f"database URL (default ${DB_ENV} or {DEFAULT_DB_URL})"
+        "--db",
+        default=_db_default(),
+        help=f"database URL (default ${BRAIN_DB_ENV} or {DEFAULT_DB_URL})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"0 = any (default {DEFAULT_PORT})"
     )
     p.add_argument(
-        "--token", help=f"the token every RPC must carry (prefer --token-file or ${TOKEN_ENV})"
+        "--token",
+        help=f"the token every RPC must carry (prefer --token-file or ${BRAIN_TOKEN_ENV})",
     )
     p.add_argument("--token-file", type=Path, help="file holding the token")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
@@ -88,9 +90,9 @@ def _token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
         except OSError as exc:
             parser.error(f"--token-file {args.token_file}: {exc.strerror}")
     else:
-        token = str(args.token or os.environ.get(TOKEN_ENV, ""))
+        token = str(args.token or os.environ.get(BRAIN_TOKEN_ENV, ""))
     if not token:
-        parser.error(f"no token: pass --token-file, --token, or set ${TOKEN_ENV}")
+        parser.error(f"no token: pass --token-file, --token, or set ${BRAIN_TOKEN_ENV}")
     return token
 
 

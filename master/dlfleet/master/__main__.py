@@ -30,6 +30,7 @@ import os
 import sys
 from pathlib import Path
 
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.core.job_identity import StoreClaimError, StoreHoldsAnotherJob
 from dlfleet.master.core.liveness import LivenessSettings
@@ -42,7 +43,6 @@ from dlfleet.master.service.ports import Endpoint, PortInUse
 from dlfleet.master.service.server import load_tls_pair
 from dlfleet.master.service.state import MasterSettings
 
-TOKEN_ENV = "DLFLEET_TOKEN"
 DEFAULT_STORE = "sqlite:///dlfleet-master.db"
 PORT_FLAGS = {Endpoint.GRPC: "--port", Endpoint.HTTP: "--http-port"}
 

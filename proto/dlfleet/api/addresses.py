@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 
-# The variable that names the address a node publishes (torchrun's, for its
-# --local-addr): what the Kubernetes platform sets from the Pod IP.
-LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"
-
 
 def is_loopback(address: str) -> bool:
     """127.0.0.0/8, ::1 or `localhost`: reachable from this machine only."""

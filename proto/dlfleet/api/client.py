@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import grpc
 
+from dlfleet.api.env import TLS_CA_ENV
 from dlfleet.api.errors import InvalidArgument, StaleError, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY, error_from_code, error_from_status
 from dlfleet.api.v1 import (
@@ -130,9 +131,6 @@ def join_request(
         keeper_address=keeper_address,
         next_bootstrap_port=next_bootstrap_port,
     )
-
-
-TLS_CA_ENV = "DLFLEET_TLS_CA"
 
 
 def channel_credentials(tls_ca: bytes | None = None) -> grpc.ChannelCredentials | None:

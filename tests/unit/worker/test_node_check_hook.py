@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dlfleet.worker.nodecheck import SLOWDOWN_ENV, slowdown_for
+from dlfleet.api.env import NODE_CHECK_SLOWDOWN_ENV
+from dlfleet.worker.nodecheck import slowdown_for
 
 
 @pytest.mark.parametrize(
@@ -22,10 +23,10 @@ from dlfleet.worker.nodecheck import SLOWDOWN_ENV, slowdown_for
     ],
 )
 def test_the_hook_slows_the_nodes_it_names(value: str, node: str, factor: float) -> None:
-    assert slowdown_for(node, {SLOWDOWN_ENV: value}) == factor
+    assert slowdown_for(node, {NODE_CHECK_SLOWDOWN_ENV: value}) == factor
 
 
 @pytest.mark.parametrize("value", ["fast", "node-2#1:x", "0.5", "node-2#1:5000"])
 def test_a_hook_that_does_not_parse_is_an_error(value: str) -> None:
-    with pytest.raises(ValueError, match=SLOWDOWN_ENV):
-        slowdown_for("node-2#1", {SLOWDOWN_ENV: value})
+    with pytest.raises(ValueError, match=NODE_CHECK_SLOWDOWN_ENV):
+        slowdown_for("node-2#1", {NODE_CHECK_SLOWDOWN_ENV: value})

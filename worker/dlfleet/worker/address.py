@@ -26,10 +26,11 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dlfleet.api.addresses import LOCAL_ADDR_ENV, is_loopback, split_host_port
+from dlfleet.api.addresses import is_loopback, split_host_port
+from dlfleet.api.env import LOCAL_ADDR_ENV, NODE_HOST_ENV
 
 # The flag wins, then torchrun's variable, then dlfleet's older one.
-LOCAL_ADDR_ENVS = (LOCAL_ADDR_ENV, "DLFLEET_NODE_HOST")
+LOCAL_ADDR_ENVS = (LOCAL_ADDR_ENV, NODE_HOST_ENV)
 # Where unset, the agent sets these for its workers to the interface that
 # holds the node's address (gloo, NCCL and TensorPipe each pick their own
 # otherwise: gloo the one the hostname resolves to).

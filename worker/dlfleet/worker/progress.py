@@ -31,7 +31,8 @@ import os
 import time
 from typing import NamedTuple
 
-PROGRESS_ENV = "DLFLEET_PROGRESS_FILE"
+from dlfleet.api.env import PROGRESS_ENV
+
 MIN_INTERVAL_S = 0.5
 # The first steps are written at once: whether a rank got past its first step
 # decides how its failure is diagnosed (an error before it is the script's).

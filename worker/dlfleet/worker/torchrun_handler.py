@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from dlfleet.api.client import AgentSession, MasterClient, join_request
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.loop import free_ports
@@ -57,9 +58,9 @@ STORE_TIMEOUT = timedelta(seconds=120)
 
 class DlfleetRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters) -> None:
-        token = str(params.config.get("token") or os.environ.get("DLFLEET_TOKEN", ""))
+        token = str(params.config.get("token") or os.environ.get(TOKEN_ENV, ""))
         if not token:
-            raise RendezvousError("dlfleet rendezvous needs the job token: $DLFLEET_TOKEN")
+            raise RendezvousError(f"dlfleet rendezvous needs the job token: ${TOKEN_ENV}")
         self._params = params
         self._token = token
         self._host = ""  # chosen at registration, as dlworker's (`dlfleet.worker.address`)

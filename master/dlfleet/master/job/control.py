@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unimplemented
 from dlfleet.api.status_document import status_document
 from dlfleet.master.job.display import status_lines
 from dlfleet.master.job.jobconfig import load_job_config
 from dlfleet.master.job.runner import job_token, read_master_file
-
-TOKEN_ENV = "DLFLEET_TOKEN"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.job.jobconfig import JobConfig
 
@@ -101,7 +102,7 @@ class SupervisedMaster:
         self.restarts += 1
         self.listening.clear()
         self._settled = settled = threading.Event()
-        env = {**os.environ, "DLFLEET_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             die_with_parent(self.command(forget_nodes)),
             env=env,

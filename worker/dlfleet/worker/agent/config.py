@@ -51,22 +51,23 @@ from dlfleet.api.diagnosis import (
     parse_rules,
     restart_only_table,
 )
+from dlfleet.api.env import (
+    DIAGNOSIS_ENV,
+    DIAGNOSIS_RULES_ENV,
+    JOB_ENV,
+    MASTER_ENV,
+    NODE_CHECK_ENV,
+    NODE_NAME_ENV,
+    SPARES_ENV,
+    STEP_TIMEOUT_ENV,
+    STEP_TIMEOUT_FACTOR_ENV,
+    STEP_TIMEOUT_MIN_ENV,
+    TOKEN_ENV,
+)
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.address import LOCAL_ADDR_ENVS
 from dlfleet.worker.agent.node_names import SEPARATOR, claim_number, numbered
 from dlfleet.worker.agent.watchdog import DEFAULT_FLOOR_S, Bounds
-
-MASTER_ENV = "DLFLEET_MASTER"
-TOKEN_ENV = "DLFLEET_TOKEN"
-JOB_ENV = "DLFLEET_JOB"
-NODE_NAME_ENV = "DLFLEET_NODE_NAME"
-STEP_TIMEOUT_ENV = "DLFLEET_STEP_TIMEOUT"
-STEP_TIMEOUT_FACTOR_ENV = "DLFLEET_STEP_TIMEOUT_FACTOR"
-STEP_TIMEOUT_MIN_ENV = "DLFLEET_STEP_TIMEOUT_MIN"
-SPARES_ENV = "DLFLEET_SPARES"
-DIAGNOSIS_ENV = "DLFLEET_DIAGNOSIS"
-DIAGNOSIS_RULES_ENV = "DLFLEET_DIAGNOSIS_RULES"
-NODE_CHECK_ENV = "DLFLEET_NODE_CHECK"
 
 # `--nproc-per-node cpu` on a 192-core host should not start 192 gloo ranks;
 # an explicit integer is never capped.

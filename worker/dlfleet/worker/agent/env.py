@@ -24,11 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlfleet.api.env import MASTER_ENV, ROUND_ENV
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.agent.config import AgentConfig
 
-MASTER_ADDRESS_ENV = "DLFLEET_MASTER"
-ROUND_ENV = "DLFLEET_ROUND"
 ERROR_FILE_NAME = "error.json"
 
 
@@ -119,7 +118,7 @@ def worker_environments(
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": agent_environ.get(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
         ),
-        MASTER_ADDRESS_ENV: master_address,
+        MASTER_ENV: master_address,
         ROUND_ENV: str(assignment.round),
     }
     # torchrun: one thread per process when several share a node, unless the

@@ -46,6 +46,7 @@ from pathlib import Path
 import grpc
 
 from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.env import SHM_DIR_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -54,8 +55,6 @@ from dlfleet.worker.checkpoint.errors import CheckpointError
 
 _log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR_ENV = "DLFLEET_CHECKPOINT_DIR"
-SHM_ENV = "DLFLEET_SHM_DIR"  # where the agent's folder goes (default /dev/shm)
 PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header included
 REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
@@ -73,7 +72,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def shm_base() -> Path:
-    base = os.environ.get(SHM_ENV)
+    base = os.environ.get(SHM_DIR_ENV)
     if base:
         return Path(base)
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")

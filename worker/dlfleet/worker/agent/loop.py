@@ -56,12 +56,21 @@ from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy, join_request
 from dlfleet.api.diagnosis import Action, FailureFacts, Verdict, diagnose
+from dlfleet.api.env import (
+    AGENT_ENV,
+    CHECKPOINT_DIR_ENV,
+    CONNECT_BUDGET_ENV,
+    NODE_ID_ENV,
+    PROGRESS_ENV,
+    SPARE_ENV,
+    TOKEN_ENV,
+)
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
-from dlfleet.worker.agent.keeper import CHECKPOINT_DIR_ENV, ImageKeeper
+from dlfleet.worker.agent.keeper import ImageKeeper
 from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worker_endpoint
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
@@ -74,19 +83,15 @@ from dlfleet.worker.agent.workers import (
     WorkerGroup,
     attempt_log_dir,
 )
-from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL
+from dlfleet.worker.elastic.channel import STACKS_SIGNAL
 from dlfleet.worker.nodecheck import EXIT_FAULTY
-from dlfleet.worker.progress import PROGRESS_ENV, read_counts
+from dlfleet.worker.progress import read_counts
 
 _log = logging.getLogger("dlworker")
 
 STOP_TIMEOUT_S = 10.0
 # How often a node waiting for a round says why.
 WAITING_SAY_S = 5.0
-NODE_ID_ENV = "DLFLEET_NODE_ID"
-TOKEN_ENV = "DLFLEET_TOKEN"
-# How long to keep trying an unreachable master before giving up, in seconds.
-CONNECT_BUDGET_ENV = "DLFLEET_CONNECT_BUDGET"
 # In-process restarts: how long a worker may take to leave an aborted round
 # before it is killed (and replaced), and how long after a round starts the
 # agent waits before starting a new spare (its start-up costs CPU that the

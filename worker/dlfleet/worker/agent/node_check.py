@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, StaleError, Unavailable
 from dlfleet.api.processes import die_with_parent
 from dlfleet.api.v1 import nodecheck_pb2
@@ -33,7 +34,6 @@ from dlfleet.worker.nodecheck import EXIT_FAULTY, EXIT_HEALTHY, EXIT_LOST, MODUL
 
 _log = logging.getLogger("dlworker")
 
-TOKEN_ENV = "DLFLEET_TOKEN"
 # The master ends every step of a check within its step timeout, so its
 # verdict comes long before this; this only bounds a check process stuck
 # where the master cannot see (or a master that went away for good).

@@ -63,6 +63,15 @@ from typing import Any
 import grpc
 
 from dlfleet.api.client import MasterClient
+from dlfleet.api.env import (
+    AGENT_ENV,
+    CHECKPOINT_DIR_ENV,
+    MASTER_ENV,
+    NODE_ID_ENV,
+    ROUND_ENV,
+    TOKEN_ENV,
+    WORKDIR_ENV,
+)
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -79,15 +88,9 @@ from dlfleet.worker.checkpoint.image import (
 )
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
-from dlfleet.worker.loader.environment import NODE_ID_ENV
 
 _log = logging.getLogger("dlfleet.checkpoint")
 
-CHECKPOINT_DIR_ENV = "DLFLEET_CHECKPOINT_DIR"
-AGENT_ENV = "DLFLEET_AGENT"
-MASTER_ENV = "DLFLEET_MASTER"
-TOKEN_ENV = "DLFLEET_TOKEN"
-WORKDIR_ENV = "DLFLEET_WORKDIR"
 # Sources of a restore, as `Restored.source` names them.
 MEMORY, PEER, DISK = "memory", "peer", "disk"
 _ATTEMPTS = 4  # steps tried, newest first, before falling back to disk
@@ -144,7 +147,7 @@ class Checkpointer:
         self._acked = threading.Condition(self._lock)
         self._committed = -1
         self._announced = -1  # the newest step the agent answered for
-        self._round = int(os.environ.get("DLFLEET_ROUND", "0") or 0)  # of the lineage
+        self._round = int(os.environ.get(ROUND_ENV, "0") or 0)  # of the lineage
         self._last_saved = -1
         self._location_round: int | None = None  # the round whose location check passed
         self._persisting: int | None = None
@@ -596,7 +599,7 @@ def _context() -> tuple[int, int, int]:
         return attempt.rank, attempt.world_size, attempt.round
     import torch.distributed as dist
 
-    round_ = int(os.environ.get("DLFLEET_ROUND", "0") or 0)
+    round_ = int(os.environ.get(ROUND_ENV, "0") or 0)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), round_
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), round_

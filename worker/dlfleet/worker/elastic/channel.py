@@ -23,10 +23,8 @@ from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 _log = logging.getLogger(__name__)
 
-AGENT_ENV = "DLFLEET_AGENT"
 # A worker under dlworker writes its threads' stacks to stderr on this signal.
 STACKS_SIGNAL = signal.SIGUSR1
-SPARE_ENV = "DLFLEET_SPARE"
 CALL_TIMEOUT_S = 10.0
 
 

@@ -45,19 +45,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar, cast
 
+from dlfleet.api.env import AGENT_ENV, PEER_FAILURE_GRACE_ENV, ROUND_ENV, SPARE_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, StaleError
 from dlfleet.api.v1 import checkpoint_pb2
 from dlfleet.worker import progress
 from dlfleet.worker.elastic.abort import CollectiveAbort
-from dlfleet.worker.elastic.channel import AGENT_ENV, SPARE_ENV, STACKS_SIGNAL, AgentChannel
+from dlfleet.worker.elastic.channel import STACKS_SIGNAL, AgentChannel
 
 _log = logging.getLogger("dlfleet.elastic")
 
 T = TypeVar("T")
-TOKEN_ENV = "DLFLEET_TOKEN"
-# How long a rank whose collective failed waits for the agent to confirm that
-# the round is over (a peer died) before taking the failure for its own.
-PEER_FAILURE_GRACE_ENV = "DLFLEET_PEER_FAILURE_GRACE"
 DEFAULT_PEER_FAILURE_GRACE_S = 30.0
 EXIT_AGENT_GONE = 3
 _ABORTED = object()  # what an aborted attempt returns
@@ -180,7 +177,7 @@ def _run_once(train: Callable[[Attempt], T], backend: str | None, timeout: timed
     if owned:
         dist.init_process_group(_backend(backend), timeout=timeout)
     attempt = Attempt(
-        round=int(env.get("DLFLEET_ROUND", "0")),
+        round=int(env.get(ROUND_ENV, "0")),
         rank=dist.get_rank(),
         local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=dist.get_world_size(),

@@ -15,12 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from dlfleet.api.env import MASTER_ENV, NODE_ID_ENV, ROUND_ENV, TOKEN_ENV
 from dlfleet.api.errors import InvalidArgument
-
-MASTER_ENV = "DLFLEET_MASTER"
-TOKEN_ENV = "DLFLEET_TOKEN"
-ROUND_ENV = "DLFLEET_ROUND"
-NODE_ID_ENV = "DLFLEET_NODE_ID"
 
 
 class LoaderMode(Enum):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dlfleet.api.env import NODE_CHECK_SLOWDOWN_ENV
+
 MODULE = "dlfleet.worker.nodecheck"
-SLOWDOWN_ENV = "DLFLEET_NODE_CHECK_SLOWDOWN"
 
 EXIT_HEALTHY = 0
 EXIT_BROKEN = 1  # the check itself could not run (reported to the master when it could be)
@@ -29,7 +30,7 @@ EXIT_FAULTY = 6  # the master's verdict: this node is faulty
 def slowdown_for(node_id: str, environ: Mapping[str, str]) -> float:
     """The test hook's factor for `node_id` (1.0: none). A value that does
     not parse is an error: a test that means to slow a node must."""
-    text = environ.get(SLOWDOWN_ENV, "").strip()
+    text = environ.get(NODE_CHECK_SLOWDOWN_ENV, "").strip()
     if not text:
         return 1.0
     if ":" not in text:
@@ -46,7 +47,7 @@ def _factor(text: str) -> float:
     try:
         factor = float(text)
     except ValueError:
-        raise ValueError(f"${SLOWDOWN_ENV}: {text!r} is not a factor") from None
+        raise ValueError(f"${NODE_CHECK_SLOWDOWN_ENV}: {text!r} is not a factor") from None
     if not 1.0 <= factor <= 1000.0:
-        raise ValueError(f"${SLOWDOWN_ENV}: a factor must be in 1..1000, got {factor}")
+        raise ValueError(f"${NODE_CHECK_SLOWDOWN_ENV}: a factor must be in 1..1000, got {factor}")
     return factor

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import NotFound, StaleError, Unavailable
 from dlfleet.api.v1 import nodecheck_pb2
 from dlfleet.worker.nodecheck import (
@@ -36,7 +37,6 @@ from dlfleet.worker.nodecheck.probe import Probe
 
 _log = logging.getLogger("nodecheck")
 
-TOKEN_ENV = "DLFLEET_TOKEN"
 NEXT_TIMEOUT_S = 30.0  # the master answers within its poll time (seconds)
 RETRY = RetryPolicy(attempts=60, max_backoff_s=2.0, total_budget_s=60.0)
 

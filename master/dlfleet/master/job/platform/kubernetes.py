@@ -58,8 +58,7 @@ from kubernetes import config as k8s_config_module
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from dlfleet.api.addresses import LOCAL_ADDR_ENV
-from dlfleet.api.client import TLS_CA_ENV
+from dlfleet.api.env import LOCAL_ADDR_ENV, TLS_CA_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.job.jobconfig import (
     JobConfig,
@@ -518,7 +517,7 @@ class KubernetesPlatform(Platform[KubeNode]):
         env += copy.deepcopy(kube.env)
         env += [
             {
-                "name": "DLFLEET_TOKEN",
+                "name": TOKEN_ENV,
                 "valueFrom": {"secretKeyRef": {"name": self.secret, "key": self.secret_key}},
             },
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

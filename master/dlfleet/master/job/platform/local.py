@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from dlfleet.api.client import TLS_CA_ENV
+from dlfleet.api.env import TLS_CA_ENV, TOKEN_ENV, WORKDIR_ENV
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import Node, NodeExit, NodeState, Platform
@@ -165,8 +165,8 @@ class LocalPlatform(Platform[LocalNode]):
         env = {
             **os.environ,
             **self.config.env,
-            "DLFLEET_TOKEN": self.token,
-            "DLFLEET_WORKDIR": str(self.config.work_dir),
+            TOKEN_ENV: self.token,
+            WORKDIR_ENV: str(self.config.work_dir),
             "PYTHONUNBUFFERED": "1",
         }
         if self.config.tls_ca_file is not None:

@@ -52,13 +52,12 @@ from typing import IO, Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from dlfleet.api.env import CATALOG_CACHE_ENV, WORKDIR_ENV
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.loader.files.order import BlockOrder
 from dlfleet.worker.loader.files.readers import Block, CatalogError, RecordReader, reader_for
 
 DEFAULT_BLOCK = 1024
-CACHE_ENV = "DLFLEET_CATALOG_CACHE"
-WORKDIR_ENV = "DLFLEET_WORKDIR"
 _GLOB_CHARS = "*?["
 
 
@@ -328,8 +327,8 @@ class FileCatalog(Dataset[Any]):
 
 
 def _default_cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    if os.environ.get(CATALOG_CACHE_ENV):
+        return Path(os.environ[CATALOG_CACHE_ENV])
     if os.environ.get(WORKDIR_ENV):
         return Path(os.environ[WORKDIR_ENV]) / "catalogs"
     return Path.home() / ".cache" / "dlfleet" / "catalogs"
