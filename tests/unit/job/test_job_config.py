@@ -135,14 +135,14 @@ def test_the_node_check_is_on_by_default_for_jobs_of_several_nodes(base: Path) -
     assert parse(base).agent_node_check_flags() == []  # one node: nothing to compare with
     several = parse(base, nodes={"min": 1, "max": 2})
     assert several.agent_node_check_flags() == ["--node-check"]
-    assert several.node_check.master_flags() == [
-        "--node-check-slow-factor", "2", "--node-check-timeout", "30",
-    ]  # fmt: skip
+    assert several.master_settings.node_check_slow_factor == 2
+    assert several.master_settings.node_check_timeout_s == 30
     off = parse(base, nodes={"max": 4}, node_check={"enabled": False})
     assert off.agent_node_check_flags() == []
     forced = parse(base, node_check={"enabled": True, "slow_factor": 1.5, "timeout_s": 10})
     assert forced.agent_node_check_flags() == ["--node-check"]
-    assert forced.node_check.master_flags()[1::2] == ["1.5", "10"]
+    assert forced.master_settings.node_check_slow_factor == 1.5
+    assert forced.master_settings.node_check_timeout_s == 10
     config = agent_config.parse_args(
         ["--node-check", "train.py"], {"DLFLEET_MASTER": "m:1", "DLFLEET_TOKEN": "t"}
     )

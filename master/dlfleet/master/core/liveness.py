@@ -17,14 +17,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.master.settings import STANDALONE
 
 MAX_NODE_NAME = 200
 
 
 @dataclass(frozen=True)
 class LivenessSettings:
-    heartbeat_interval_ms: int = 5_000
-    heartbeat_timeout_ms: int = 30_000
+    heartbeat_interval_ms: int = STANDALONE.heartbeat_interval_ms
+    heartbeat_timeout_ms: int = STANDALONE.heartbeat_timeout_ms
 
 
 @dataclass

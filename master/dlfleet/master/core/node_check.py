@@ -60,14 +60,16 @@ from dlfleet.master.core.node_check_verdict import (
     failed_verdict,
     judge,
 )
+from dlfleet.master.settings import STANDALONE
 
 VERDICTS_KEPT = 1_000
 
 
 @dataclass(frozen=True)
 class NodeCheckSettings:
-    slow_factor: float = 2.0  # slower than this x the median of the others: faulty
-    step_timeout_ms: int = 30_000
+    # Slower than this x the median of the others: faulty.
+    slow_factor: float = STANDALONE.node_check_slow_factor
+    step_timeout_ms: int = STANDALONE.node_check_timeout_ms
     gather_ms: int = 2_000
     expected_nodes: int = 1  # a cohort forms at once when this many nodes are in
     matmul_size: int = 512

@@ -37,6 +37,7 @@ from functools import cached_property
 from typing import Any
 
 from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.master.settings import STANDALONE, check_node_unit, check_nodes
 
 MAX_KEEPER_ADDRESS = 1024
 
@@ -63,26 +64,15 @@ def _plain(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class RendezvousSettings:
-    min_nodes: int = 1
-    max_nodes: int = 1
-    node_unit: int = 1
-    last_call_timeout_ms: int = 3_000
-    join_timeout_ms: int = 600_000
+    min_nodes: int = STANDALONE.min_nodes
+    max_nodes: int = STANDALONE.world_max
+    node_unit: int = STANDALONE.node_unit
+    last_call_timeout_ms: int = STANDALONE.last_call_timeout_ms
+    join_timeout_ms: int = STANDALONE.join_timeout_ms
 
     def __post_init__(self) -> None:
-        if self.min_nodes < 1:
-            raise InvalidArgument(f"min_nodes must be at least 1, got {self.min_nodes}")
-        if self.max_nodes < self.min_nodes:
-            raise InvalidArgument(
-                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})"
-            )
-        if self.node_unit < 1 or self.node_unit > self.max_nodes:
-            raise InvalidArgument(f"node_unit must be in 1..max_nodes, got {self.node_unit}")
-        if self.max_nodes // self.node_unit * self.node_unit < self.min_nodes:
-            raise InvalidArgument(
-                f"no multiple of node_unit {self.node_unit} lies in "
-                f"{self.min_nodes}..{self.max_nodes} nodes"
-            )
+        check_nodes(self.min_nodes, self.max_nodes)
+        check_node_unit(self.node_unit, self.min_nodes, self.max_nodes)
         if self.last_call_timeout_ms < 0 or self.join_timeout_ms < 1:
             raise InvalidArgument("last_call_timeout must be >= 0 and join_timeout > 0")
 

@@ -46,6 +46,7 @@ from dlfleet.master.core.events import (
     ShardFailed,
 )
 from dlfleet.master.core.intervals import IntervalSet, Range
+from dlfleet.master.settings import STANDALONE
 
 END_OF_EPOCH = "end_of_epoch"
 END_OF_DATASET = "end_of_dataset"
@@ -56,7 +57,7 @@ MAX_LEASE_RUN = 64
 
 @dataclass(frozen=True)
 class ShardSettings:
-    lease_timeout_ms: int = 30_000
+    lease_timeout_ms: int = STANDALONE.lease_timeout_ms
     wait_retry_ms: int = 200
 
 

@@ -98,9 +98,11 @@ Read in the job supervisor process, and by `dlmaster status` / `dlmaster scale`
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -109,6 +111,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dlfleet.api.diagnosis import RuleError, parse_rules
 from dlfleet.api.errors import InvalidArgument
+from dlfleet.master.settings import (
+    FOR_JOB,
+    RunSettings,
+    check_heartbeat,
+    check_node_unit,
+    check_nodes,
+)
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 Seconds = Annotated[float, Field(gt=0, le=86_400)]
@@ -125,8 +134,8 @@ class NodesConfig(_Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> NodesConfig:
-        if self.max is not None and self.max < self.min:
-            raise ValueError(f"max ({self.max}) must be at least min ({self.min})")
+        with _as_value_error():
+            check_nodes(self.min, self.maximum, names=("min", "max"))
         if self.initial is not None and not self.min <= self.initial <= self.maximum:
             raise ValueError(f"initial ({self.initial}) must lie in {self.min}..{self.maximum}")
         return self
@@ -140,22 +149,30 @@ class NodesConfig(_Strict):
         return self.initial if self.initial is not None else self.maximum
 
 
+@contextlib.contextmanager
+def _as_value_error() -> Iterator[None]:
+    """A check of `dlfleet.master.settings` inside a validator: pydantic
+    reports a ValueError at the field it validates."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
 class RendezvousConfig(_Strict):
-    last_call_timeout_s: float = Field(default=1.0, ge=0, le=3_600)
-    join_timeout_s: Seconds = 600.0
-    node_unit: int = Field(default=1, ge=1)
+    last_call_timeout_s: float = Field(default=FOR_JOB.last_call_timeout_s, ge=0, le=3_600)
+    join_timeout_s: Seconds = FOR_JOB.join_timeout_s
+    node_unit: int = Field(default=FOR_JOB.node_unit, ge=1)
 
 
 class HeartbeatConfig(_Strict):
-    interval_s: Seconds = 2.0
-    timeout_s: Seconds = 10.0
+    interval_s: Seconds = FOR_JOB.heartbeat_interval_s
+    timeout_s: Seconds = FOR_JOB.heartbeat_timeout_s
 
     @model_validator(mode="after")
     def _timeout_longer(self) -> HeartbeatConfig:
-        if self.timeout_s <= self.interval_s:
-            raise ValueError(
-                f"timeout_s ({self.timeout_s}) must be longer than interval_s ({self.interval_s})"
-            )
+        with _as_value_error():
+            check_heartbeat(self.interval_s, self.timeout_s, names=("interval_s", "timeout_s"))
         return self
 
 
@@ -341,18 +358,12 @@ class DiagnosisConfig(_Strict):
 
 class NodeCheckConfig(_Strict):
     enabled: Literal["auto"] | bool = "auto"
-    slow_factor: float = Field(default=2.0, gt=1.0, le=100.0)
-    timeout_s: float = Field(default=30.0, ge=0.1, le=3_600)
+    slow_factor: float = Field(default=FOR_JOB.node_check_slow_factor, gt=1.0, le=100.0)
+    timeout_s: float = Field(default=FOR_JOB.node_check_timeout_s, ge=0.1, le=3_600)
 
     def active(self, nodes: NodesConfig) -> bool:
         """Whether the job's nodes check: `auto` means when it can have several."""
         return nodes.maximum > 1 if self.enabled == "auto" else bool(self.enabled)
-
-    def master_flags(self) -> list[str]:
-        return [
-            "--node-check-slow-factor", f"{self.slow_factor:g}",
-            "--node-check-timeout", f"{self.timeout_s:g}",
-        ]  # fmt: skip
 
 
 class JobConfig(_Strict):
@@ -374,7 +385,7 @@ class JobConfig(_Strict):
     relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
     rendezvous: RendezvousConfig = RendezvousConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
-    lease_timeout_s: Seconds = 30.0
+    lease_timeout_s: Seconds = FOR_JOB.lease_timeout_s
     workdir: Path | None = None
     state_store: str | None = None
     token: str | None = Field(default=None, min_length=1)
@@ -437,15 +448,32 @@ class JobConfig(_Strict):
                 f"step_timeout_min_s {self.step_timeout_min_s:g} is over "
                 f"step_timeout_s {self.step_timeout_s:g}"
             )
-        unit = self.rendezvous.node_unit
-        if unit > self.nodes.maximum or self.nodes.maximum // unit * unit < self.nodes.min:
-            raise ValueError(
-                f"rendezvous.node_unit {unit} leaves no world size in "
-                f"nodes {self.nodes.min}..{self.nodes.maximum}"
+        with _as_value_error():
+            check_node_unit(
+                self.rendezvous.node_unit,
+                self.nodes.min,
+                self.nodes.maximum,
+                name="rendezvous.node_unit",
             )
         return self
 
     # ------------------------------------------------------------ resolved
+
+    @property
+    def master_settings(self) -> RunSettings:
+        """What this job's master runs with (`RunSettings.to_argv` starts it)."""
+        return RunSettings.for_job(
+            lease_timeout_s=self.lease_timeout_s,
+            heartbeat_interval_s=self.heartbeat.interval_s,
+            heartbeat_timeout_s=self.heartbeat.timeout_s,
+            min_nodes=self.nodes.min,
+            max_nodes=self.nodes.maximum,
+            node_unit=self.rendezvous.node_unit,
+            last_call_timeout_s=self.rendezvous.last_call_timeout_s,
+            join_timeout_s=self.rendezvous.join_timeout_s,
+            node_check_slow_factor=self.node_check.slow_factor,
+            node_check_timeout_s=self.node_check.timeout_s,
+        )
 
     def agent_step_timeout_flags(self) -> list[str]:
         """The watchdog's flags for dlworker."""

@@ -74,15 +74,7 @@ class SupervisedMaster:
             "--state-store", config.store_url,
             "--resume",
             "--job-name", config.name,
-            "--lease-timeout", str(config.lease_timeout_s),
-            "--heartbeat-interval", str(config.heartbeat.interval_s),
-            "--heartbeat-timeout", str(config.heartbeat.timeout_s),
-            "--min-nodes", str(config.nodes.min),
-            "--max-nodes", str(config.nodes.maximum),
-            "--node-unit", str(config.rendezvous.node_unit),
-            "--last-call-timeout", str(config.rendezvous.last_call_timeout_s),
-            "--join-timeout", str(config.rendezvous.join_timeout_s),
-            *config.node_check.master_flags(),
+            *config.master_settings.to_argv(),
         ]  # fmt: skip
         if config.tls is not None:
             command += ["--tls-cert", str(config.path(config.tls.cert_file))]
