@@ -58,7 +58,7 @@ from kubernetes import config as k8s_config_module
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from dlfleet.api.env import LOCAL_ADDR_ENV, TLS_CA_ENV, TOKEN_ENV
+from dlfleet.api.env import LOCAL_ADDR_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
 from dlfleet.master.job.jobconfig import (
     JobConfig,
@@ -75,6 +75,7 @@ from dlfleet.master.job.platform import (
     NodeState,
     Platform,
 )
+from dlfleet.master.job.platform.launch import node_launch
 
 _log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ CONTAINER = "worker"
 # to the others (its store, its keeper, its workers' collectives).
 SHM_VOLUME = "dlfleet-shm"
 SHM_PATH = "/dev/shm"
+CA_PATH = "/etc/dlfleet/tls/ca.crt"  # in a worker Pod, from the job's Secret
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 CALL_TIMEOUT_S = 10.0
 WATCH_TIMEOUT_S = 30  # the server ends each watch after this; we resume it
@@ -494,23 +496,16 @@ class KubernetesPlatform(Platform[KubeNode]):
 
     def _pod(self, node: KubeNode, name: str, attempt: int) -> dict[str, Any]:
         config, kube = self.config, self.kube
-        nodes = f"{config.nodes.min}:{config.nodes.maximum}"
         master = kube.master_address or (f"{self.service}.{self.namespace}.svc:{self.master_port}")
-        command = [
-            *kube.worker_command,
-            "--master", master,
-            "--job-name", config.name,
-            "--node-name", node.name,
-            "--nnodes", nodes,
-            "--nproc-per-node", str(config.nproc_per_node),
-            "--max-restarts", str(config.max_restarts),
-        ]  # fmt: skip
-        command += config.agent_step_timeout_flags()
-        command += config.diagnosis.agent_flags()
-        command += config.agent_node_check_flags()
-        if config.module:
-            command.append("--module")
-        command += [config.script, *config.args]
+        # The CA comes from the job's Secret, where the master put it.
+        tls = config.tls is not None and kube.token_secret is None
+        launch = node_launch(
+            config,
+            node.name,
+            program=kube.worker_command,
+            master=master,
+            ca_file=CA_PATH if tls else None,
+        )
         env: list[dict[str, Any]] = [
             {"name": key, "value": value} for key, value in config.env.items()
         ]
@@ -523,8 +518,8 @@ class KubernetesPlatform(Platform[KubeNode]):
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             # The Pod's own IP: what the other nodes reach it at.
             {"name": LOCAL_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
+        env += [{"name": key, "value": value} for key, value in launch.env.items()]
         mounts = copy.deepcopy(kube.volume_mounts)
         volumes = copy.deepcopy(kube.volumes)
         if not any(mount.get("mountPath", "").rstrip("/") == SHM_PATH for mount in mounts):
@@ -533,20 +528,19 @@ class KubernetesPlatform(Platform[KubeNode]):
                 {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kube.shm_size}}
             )
             mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
-        if config.tls is not None and kube.token_secret is None:
+        if tls:
             volumes.append(
                 {"name": "dlfleet-tls", "secret": {"secretName": self.secret,
                                                    "items": [{"key": "ca.crt", "path": "ca.crt"}]}}
             )  # fmt: skip
             mounts.append(
-                {"name": "dlfleet-tls", "mountPath": "/etc/dlfleet/tls", "readOnly": True}
+                {"name": "dlfleet-tls", "mountPath": str(Path(CA_PATH).parent), "readOnly": True}
             )
-            env.append({"name": TLS_CA_ENV, "value": "/etc/dlfleet/tls/ca.crt"})
         container: dict[str, Any] = {
             "name": CONTAINER,
             "image": kube.image,
             "imagePullPolicy": kube.image_pull_policy,
-            "command": command,
+            "command": launch.argv,
             "env": env,
             "resources": self._resources(node),
             "volumeMounts": mounts,

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from dlfleet.api.env import TLS_CA_ENV, TOKEN_ENV, WORKDIR_ENV
+from dlfleet.api.env import TOKEN_ENV, WORKDIR_ENV
 from dlfleet.api.processes import die_with_parent
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import Node, NodeExit, NodeState, Platform
+from dlfleet.master.job.platform.launch import NodeLaunch, node_launch
 
 _log = logging.getLogger(__name__)
 
@@ -134,43 +135,32 @@ class LocalPlatform(Platform[LocalNode]):
 
     # ------------------------------------------------------------- helpers
 
-    def command(self, node: LocalNode) -> list[str]:
-        config = self.config
-        nodes = f"{config.nodes.min}:{config.nodes.maximum}"
-        command = [
-            self.python, "-u", "-m", "dlfleet.worker.agent.loop",
-            "--master", self.master,
-            "--job-name", config.name,
-            "--node-name", node.name,
-            "--nnodes", nodes,
-            "--nproc-per-node", str(config.nproc_per_node),
-            "--max-restarts", str(config.max_restarts),
-            "--log-dir", str(self.log_dir / node.name),
+    def launch(self, node: LocalNode) -> NodeLaunch:
+        ca_file = self.config.tls_ca_file
+        return node_launch(
+            self.config,
+            node.name,
+            program=[self.python, "-u", "-m", "dlfleet.worker.agent.loop"],
+            master=self.master,
+            ca_file=None if ca_file is None else str(ca_file),
             # Copies of the workers' output in files: a failed rank's report
             # then carries the end of its stderr (the traceback).
-            "--tee", "3",
-        ]  # fmt: skip
-        command += config.agent_step_timeout_flags()
-        command += config.diagnosis.agent_flags()
-        command += config.agent_node_check_flags()
-        if config.module:
-            command.append("--module")
-        return [*command, config.script, *config.args]
+            flags=["--log-dir", str(self.log_dir / node.name), "--tee", "3"],
+        )
 
     def log_hint(self, node: LocalNode) -> str:
         return f"see {self.log_dir / (node.name + '.log')}"
 
     def _launch(self, node: LocalNode) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        launch = self.launch(node)
         env = {
             **os.environ,
             **self.config.env,
+            **launch.env,
             TOKEN_ENV: self.token,
             WORKDIR_ENV: str(self.config.work_dir),
-            "PYTHONUNBUFFERED": "1",
         }
-        if self.config.tls_ca_file is not None:
-            env[TLS_CA_ENV] = str(self.config.tls_ca_file)
         if "OMP_NUM_THREADS" not in env:
             # All nodes share this machine's cores: without a cap, each
             # process's intra-op threads would use every core, and the nodes
@@ -180,7 +170,7 @@ class LocalPlatform(Platform[LocalNode]):
         node.state = NodeState.STARTING
         node.exit_code = None
         node.proc = subprocess.Popen(
-            die_with_parent(self.command(node)),
+            die_with_parent(launch.argv),
             cwd=self.config.base_dir,
             env=env,
             stdin=subprocess.DEVNULL,
