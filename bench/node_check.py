@@ -75,11 +75,11 @@ if str(ROOT / "bench") not in sys.path:
 from _common import exit_on_sigterm, kill_tagged, say  # noqa: E402
 
 from dlfleet.api.client import MasterClient, RetryPolicy  # noqa: E402
+from dlfleet.api.env import NODE_CHECK_SLOWDOWN_ENV  # noqa: E402
 from dlfleet.api.errors import DlfleetError  # noqa: E402
 from dlfleet.api.v1 import nodecheck_pb2  # noqa: E402
 
 TAG_ENV = "DLFLEET_NODE_CHECK_BENCH_TAG"
-SLOWDOWN_ENV = "DLFLEET_NODE_CHECK_SLOWDOWN"
 START_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_S = 240.0
 WORKER = """
@@ -114,7 +114,7 @@ def job_config(name: str, nodes: int, slow: str, factor: float, stop: Path) -> d
         "args": [str(stop)],
         "nodes": {"min": nodes, "max": nodes},
         "node_check": {"enabled": True, "slow_factor": 2.0, "timeout_s": 30},
-        "env": {SLOWDOWN_ENV: f"{slow}:{factor:g}"},
+        "env": {NODE_CHECK_SLOWDOWN_ENV: f"{slow}:{factor:g}"},
         "display": "plain",
         "http": None,
         "rendezvous": {"last_call_timeout_s": 0.5},

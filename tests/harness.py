@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from dlfleet.api.env import TOKEN_ENV
+
 T = TypeVar("T")
 
 POSTGRES_URL = os.environ.get(
@@ -60,7 +62,7 @@ class MasterProcess:
     def start(self, timeout_s: float = 30) -> MasterProcess:
         args = [sys.executable, "-m", "dlfleet.master", "--port", str(self.port)]
         args += ["--store", self.store, "--log-level", "WARNING", *self.extra]
-        env = {**os.environ, "DLFLEET_TOKEN": self.token}
+        env = {**os.environ, TOKEN_ENV: self.token}
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
