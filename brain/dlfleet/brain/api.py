@@ -11,9 +11,12 @@ be reached, InvalidArgument for bad fields, NotFound for unknown jobs/plans).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dlfleet.brain.records import JobReport, MetricsBatch, Plan, PlanId, PlanRequest
+
+if TYPE_CHECKING:
+    from dlfleet.brain.optimizer.planner import OptimizerSettings
 
 DEFAULT_DB_URL = "sqlite:///brain.db"
 
@@ -42,14 +45,15 @@ def open_brain(
     *,
     token: str = "",
     tls_ca: bytes | None = None,
+    settings: OptimizerSettings | None = None,
 ) -> BrainApi:
     """A `dlbrain` service at `url` ("host:port", with `token`), or, when `url`
     is None or empty, an in-process brain on the database at `db_url`
-    (migrated to the current schema on open)."""
+    (migrated to the current schema on open), deciding with `settings`."""
     if url:
         from dlfleet.brain.client import RemoteBrain
 
         return RemoteBrain(url, token=token, tls_ca=tls_ca)
     from dlfleet.brain.local import LocalBrain
 
-    return LocalBrain.open(db_url)
+    return LocalBrain.open(db_url, settings=settings)

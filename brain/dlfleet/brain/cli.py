@@ -23,12 +23,14 @@ from types import FrameType
 
 from dlfleet.api.env import BRAIN_DB_ENV, BRAIN_TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
+from dlfleet.api.serving.flags import TokenFlags, add_tls_flags, tls_from_flags
 from dlfleet.brain.api import DEFAULT_DB_URL
 
 # Flags are checked before the database and gRPC libraries are imported (in
 # the commands), so a mistake is answered at once.
 
 DEFAULT_PORT = 50052
+TOKEN_FLAGS = TokenFlags(env=BRAIN_TOKEN_ENV, noun="token", both_refused=True)
 
 
 def _db_default() -> str:
@@ -50,13 +52,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"0 = any (default {DEFAULT_PORT})"
     )
-    p.add_argument(
-        "--token",
-        help=f"the token every RPC must carry (prefer --token-file or ${BRAIN_TOKEN_ENV})",
-    )
-    p.add_argument("--token-file", type=Path, help="file holding the token")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    TOKEN_FLAGS.add_to(p)
+    add_tls_flags(p)
     p.add_argument("--workers", type=int, default=8, help="RPC threads (default 8)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -81,41 +78,6 @@ def _migrate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    if args.token is not None and args.token_file is not None:
-        parser.error("pass --token or --token-file, not both")
-    if args.token_file is not None:
-        try:
-            token = str(args.token_file.read_text()).strip()
-        except OSError as exc:
-            parser.error(f"--token-file {args.token_file}: {exc.strerror}")
-    else:
-        token = str(args.token or os.environ.get(BRAIN_TOKEN_ENV, ""))
-    if not token:
-        parser.error(f"no token: pass --token-file, --token, or set ${BRAIN_TOKEN_ENV}")
-    return token
-
-
-def _tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bytes, bytes] | None:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_cert is None:
-        return None
-    pair = []
-    for flag, path, marker in (
-        ("--tls-cert", args.tls_cert, b"-----BEGIN CERTIFICATE-----"),
-        ("--tls-key", args.tls_key, b"PRIVATE KEY-----"),
-    ):
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            parser.error(f"{flag} {path}: {exc.strerror}")
-        if marker not in data:
-            parser.error(f"{flag} {path}: not PEM")
-        pair.append(data)
-    return pair[0], pair[1]
-
-
 def serve(argv: Sequence[str]) -> int:
     parser = _serve_parser()
     args = parser.parse_args(argv)
@@ -123,8 +85,8 @@ def serve(argv: Sequence[str]) -> int:
         parser.error(f"--port {args.port}: not a port")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
-    token = _token(args, parser)
-    tls = _tls(args, parser)
+    token = TOKEN_FLAGS.token(args, parser)
+    tls = tls_from_flags(args, parser)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

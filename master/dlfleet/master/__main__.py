@@ -32,6 +32,8 @@ from pathlib import Path
 
 from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError
+from dlfleet.api.serving.flags import TokenFlags, add_tls_flags, tls_from_flags
+from dlfleet.api.serving.ports import Endpoint, PortInUse
 from dlfleet.master.core.job_identity import StoreClaimError, StoreHoldsAnotherJob
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.node_check import NodeCheckSettings
@@ -39,11 +41,10 @@ from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
 from dlfleet.master.service.http_api import HttpSettings
-from dlfleet.master.service.ports import Endpoint, PortInUse
-from dlfleet.master.service.server import load_tls_pair
 from dlfleet.master.service.state import MasterSettings
 
 DEFAULT_STORE = "sqlite:///dlfleet-master.db"
+TOKEN_FLAGS = TokenFlags(env=TOKEN_ENV)
 PORT_FLAGS = {Endpoint.GRPC: "--port", Endpoint.HTTP: "--http-port"}
 
 
@@ -77,8 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "holds none",
     )
     p.add_argument("--job-name", default="job", help="nodes of other jobs are rejected")
-    p.add_argument("--token-file", type=Path, help="file holding the job token")
-    p.add_argument("--token", help=f"the job token (prefer --token-file or ${TOKEN_ENV})")
+    TOKEN_FLAGS.add_to(p)
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds (default 30)")
     p.add_argument(
         "--heartbeat-interval", type=float, default=5.0, help="agents beat every N s (default 5)"
@@ -133,8 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         help="pre-flight node check: seconds each step of a node's check may take before the "
         "node counts as hung (default 30)",
     )
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    add_tls_flags(p)
     p.add_argument(
         "--forget-nodes",
         action="store_true",
@@ -142,30 +141,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="INFO")
     return p
-
-
-def _token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    if args.token_file is not None:
-        try:
-            token = str(args.token_file.read_text()).strip()
-        except OSError as exc:
-            parser.error(f"--token-file {args.token_file}: {exc.strerror}")
-    else:
-        token = str(args.token or os.environ.get(TOKEN_ENV, ""))
-    if not token:
-        parser.error(f"no job token: pass --token-file, --token, or set ${TOKEN_ENV}")
-    return token
-
-
-def _tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bytes, bytes] | None:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_cert is None:
-        return None
-    try:
-        return load_tls_pair(args.tls_cert, args.tls_key)
-    except DlfleetError as exc:
-        parser.error(str(exc))
 
 
 def _settings(args: argparse.Namespace) -> MasterSettings:
@@ -238,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     except DlfleetError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    token = _token(args, parser)
-    args.tls = _tls(args, parser)
+    token = TOKEN_FLAGS.token(args, parser)
+    args.tls = tls_from_flags(args, parser)
     try:
         asyncio.run(
             serve(

@@ -13,6 +13,7 @@ unset. `job_status.schema.json` beside the .proto files is its JSON Schema.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,10 @@ def _converted(field: FieldDescriptor, value: Any) -> Any:
     if field.cpp_type in _INT64:
         return int(value)
     return value
+
+
+def samples_per_second(nodes: Iterable[job_pb2.NodeStatus]) -> float:
+    """The job's rate: the sum of its nodes' latest rates (each node's over
+    its ranks, over its last heartbeat), which is what the training script
+    measures too. One rule for the master's status and the supervisor's."""
+    return sum(node.metrics.samples_per_second for node in nodes if node.HasField("metrics"))

@@ -146,7 +146,7 @@ def test_the_status_names_each_nodes_ranks_in_the_active_round(
 def test_a_tls_master_serves_the_dashboard_over_https_with_a_secure_cookie(
     tmp_path: Path, start_master: Callable[..., Running]
 ) -> None:
-    from dlfleet.master.service.server import load_tls_pair
+    from dlfleet.api.serving.tls import load_tls_pair
 
     cert, key = make_cert(tmp_path, "master")
     running = start_master(http=HttpSettings(), tls=load_tls_pair(cert, key))

@@ -197,7 +197,7 @@ def test_status_is_the_documented_job_status(start_master: Callable[..., Running
 def test_a_tls_master_serves_https_with_its_certificate(
     tmp_path: Path, start_master: Callable[..., Running]
 ) -> None:
-    from dlfleet.master.service.server import load_tls_pair
+    from dlfleet.api.serving.tls import load_tls_pair
 
     cert, key = make_cert(tmp_path, "master")
     running = start_master(http=HttpSettings(), tls=load_tls_pair(cert, key))

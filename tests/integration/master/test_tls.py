@@ -26,8 +26,9 @@ pytestmark = [
 
 @pytest.fixture
 def tls_master(tmp_path: Path, loop_thread: LoopThread) -> Iterator[tuple[int, bytes]]:
+    from dlfleet.api.serving.tls import load_tls_pair
     from dlfleet.master.service.rpc import system_clock
-    from dlfleet.master.service.server import MasterServer, load_tls_pair
+    from dlfleet.master.service.server import MasterServer
     from dlfleet.master.service.state import MasterSettings, MasterState
     from dlfleet.master.store.sql import open_store
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.master.job.display import PlainDisplay
 from dlfleet.master.job.jobconfig import parse_job_config
 from dlfleet.master.job.platform import NodeState
 from dlfleet.master.job.platform.local import LocalPlatform
 from dlfleet.master.job.runner import JobRunner
-from dlfleet.master.service.status_service import samples_per_second
 
 
 @pytest.fixture

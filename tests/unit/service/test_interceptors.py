@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from dlfleet.api.serving.guard import AsyncRequestGuard as RequestGuard
+from dlfleet.api.serving.tokens import AsyncTokenCheck as TokenInterceptor
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics
-from dlfleet.master.service.server import RequestGuard, TokenInterceptor
 
 
 class Details(NamedTuple):

@@ -40,24 +40,25 @@ from dataclasses import dataclass, field
 
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.v1 import job_pb2, nodecheck_pb2
-from dlfleet.brain.api import BrainApi, open_brain
-from dlfleet.brain.optimizer.initial import InitialSettings
-from dlfleet.brain.optimizer.planner import OptimizerSettings
-from dlfleet.brain.optimizer.scaling import ScalingSettings
-from dlfleet.brain.records import (
+from dlfleet.brain import (
+    BrainApi,
+    BrainReporter,
     FailureKind,
     FailureRecord,
+    InitialSettings,
     JobInfo,
     JobStatus,
     NodeCheckRecord,
     NodeSample,
     OomRelaunch,
+    OptimizerSettings,
     Plan,
     PlanKind,
     PlanRequest,
     RoundMetrics,
+    ScalingSettings,
+    open_brain,
 )
-from dlfleet.brain.reporter import BrainReporter
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import REASON_EVICTED, REASON_OOM, Node
 from dlfleet.master.job.tally import SupervisorTally
@@ -164,10 +165,8 @@ class BrainLink:
                     token = config.path(brain.token_file).read_text().strip()
                 self.api = open_brain(brain.address, token=token)
             else:
-                from dlfleet.brain.local import LocalBrain
-
                 (config.base_dir / ".dlfleet").mkdir(parents=True, exist_ok=True)
-                self.api = LocalBrain.open(config.brain_db_url, settings=settings)
+                self.api = open_brain(None, config.brain_db_url, settings=settings)
         except (DlfleetError, OSError) as error:
             _log.warning("the brain is not available (%s): the job runs without it", error)
             self.last_plan = f"brain unavailable: {error}"

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from dlfleet.api.errors import DlfleetError, InvalidArgument
+from dlfleet.api.serving.ports import Endpoint, PortInUse
 from dlfleet.master.job.display import DisplayLogHandler, choose_display
 from dlfleet.master.job.jobconfig import load_job_config
 from dlfleet.master.job.runner import JobRunner
-from dlfleet.master.service.ports import Endpoint, PortInUse
 
 PORT_SETTINGS = {Endpoint.GRPC: "master.port", Endpoint.HTTP: "http.port"}
 

@@ -55,9 +55,14 @@ import grpc
 
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
+from dlfleet.api.serving.answers import rpc
+from dlfleet.api.serving.ports import Endpoint, check_port_free
+from dlfleet.api.serving.tls import TlsPair, load_tls_pair, server_credentials
+from dlfleet.api.serving.tokens import AsyncTokenCheck
+from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.api.v1.nodecheck_pb2 import NodeCheckVerdict
-from dlfleet.brain.records import PlanKind
+from dlfleet.brain import PlanKind
 from dlfleet.master.job.brain_link import BrainLink
 from dlfleet.master.job.display import Display
 from dlfleet.master.job.jobconfig import JobConfig
@@ -76,10 +81,6 @@ from dlfleet.master.job.platform import (
 from dlfleet.master.job.platform.local import LocalPlatform
 from dlfleet.master.job.supervised import SupervisedMaster
 from dlfleet.master.job.tally import SupervisorTally, exit_reason
-from dlfleet.master.service.ports import Endpoint, check_port_free
-from dlfleet.master.service.rpc import rpc
-from dlfleet.master.service.server import TokenInterceptor, load_tls_pair
-from dlfleet.master.service.status_service import samples_per_second
 
 _log = logging.getLogger(__name__)
 
@@ -354,13 +355,13 @@ class JobRunner:
     async def _serve_control(self, token: str) -> str:
         """The Job service (status, scale) on a port of its own: it must stay
         up while the master restarts."""
-        server = grpc.aio.server(interceptors=[TokenInterceptor(token)])
+        server = grpc.aio.server(interceptors=[AsyncTokenCheck(token)])
         job_pb2_grpc.add_JobServicer_to_server(JobService(self), server)
         host = self.config.master.host
         address = f"{host}:0"
         tls = self._tls_pair()
         if tls is not None:
-            port = server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+            port = server.add_secure_port(address, server_credentials(tls))
         else:
             port = server.add_insecure_port(address)
         await server.start()
@@ -392,7 +393,7 @@ class JobRunner:
         _log.info("job %s succeeded before; starting afresh (last run kept in %s)",
                   config.name, previous)  # fmt: skip
 
-    def _tls_pair(self) -> tuple[bytes, bytes] | None:
+    def _tls_pair(self) -> TlsPair | None:
         tls = self.config.tls
         if tls is None:
             return None

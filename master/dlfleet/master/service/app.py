@@ -11,8 +11,8 @@ import asyncio
 import gc
 import signal
 
+from dlfleet.api.serving.ports import Endpoint, check_port_free
 from dlfleet.master.service.http_api import HttpSettings
-from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rpc import system_clock
 from dlfleet.master.service.server import MasterServer
 from dlfleet.master.service.state import MasterSettings, MasterState

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from dlfleet.api.errors import InvalidArgument
+from dlfleet.api.serving.answers import rpc
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.master.core.checkpoint_events import CheckpointEvent
 from dlfleet.master.core.checkpoints import validate_persisted, validate_report
 from dlfleet.master.service import wire
-from dlfleet.master.service.rpc import Durable, rpc
+from dlfleet.master.service.rpc import Durable
 from dlfleet.master.service.state import MasterState
 
 

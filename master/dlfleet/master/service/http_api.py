@@ -37,8 +37,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dlfleet.api.errors import DlfleetError
+from dlfleet.api.serving.ports import Endpoint, PortInUse
 from dlfleet.master.service.dashboard import Dashboard, wants_html
-from dlfleet.master.service.ports import Endpoint, PortInUse
 from dlfleet.master.service.timeline import Timeline
 
 TOKEN_HEADER = "X-Dlfleet-Token"

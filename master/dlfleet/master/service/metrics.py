@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dlfleet.api.serving.tokens import AsyncContinuation
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.master.core.events import (
     EpochCompleted,
@@ -41,7 +42,6 @@ from dlfleet.master.core.events import (
     LeaseReleased,
     ShardFailed,
 )
-from dlfleet.master.service.rpc import Continuation
 from dlfleet.master.service.state import MasterState
 
 NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
@@ -434,7 +434,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Continuation,
+        continuation: AsyncContinuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)

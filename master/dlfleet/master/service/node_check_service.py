@@ -20,12 +20,13 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any, overload
 
+from dlfleet.api.serving.answers import rpc
 from dlfleet.api.v1 import nodecheck_pb2, nodecheck_pb2_grpc, rendezvous_pb2
 from dlfleet.master.core.node_check import CheckFailed, Effect, PairDone
 from dlfleet.master.core.node_check_verdict import Verdict
 from dlfleet.master.service import wire
 from dlfleet.master.service.membership import Membership
-from dlfleet.master.service.rpc import Clock, rpc
+from dlfleet.master.service.rpc import Clock
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from dlfleet.api.addresses import peer_host
 from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
+from dlfleet.api.serving.answers import bounded_details, rpc
 from dlfleet.api.status import status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
 from dlfleet.master.core.reachability import Published, unreachable
@@ -23,7 +24,7 @@ from dlfleet.master.core.rendezvous import RendezvousEvent, Round
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import failure_reason_label
 from dlfleet.master.service.node_reports import NodeReports
-from dlfleet.master.service.rpc import Clock, Durable, bounded_details, rpc
+from dlfleet.master.service.rpc import Clock, Durable
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind
 

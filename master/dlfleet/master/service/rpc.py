@@ -1,9 +1,9 @@
-"""Plumbing shared by the master's gRPC services: the clock, the bridge from
-the group committer's futures to the event loop, and the one place where
-domain errors become status codes.
+"""Plumbing shared by the master's gRPC services: the clock and the bridge
+from the group committer's futures to the event loop. Domain errors become
+status codes in `dlfleet.api.serving.answers` (`rpc`), shared with the job
+supervisor's control service.
 
-Lives in the master service process; the job supervisor's control service
-(`dlfleet.master.job.runner`) uses `rpc` too.
+Lives in the master service process.
 """
 
 from __future__ import annotations
@@ -11,22 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
-
-import grpc
-
-from dlfleet.api.errors import DlfleetError
-from dlfleet.api.status import status_of
-
-# What a server interceptor calls for the next handler in the chain.
-Continuation = Callable[
-    [grpc.HandlerCallDetails], Awaitable["grpc.RpcMethodHandler[Any, Any] | None"]
-]
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+from typing import Protocol
 
 
 class Clock(Protocol):
@@ -85,35 +71,3 @@ class Durable:
                 waiter.set_exception(outcome)
             else:
                 waiter.set_result(outcome)
-
-
-def rpc(
-    handler: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
-    """Map domain errors to status codes: the handlers raise, this answers."""
-
-    async def wrapper(
-        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
-    ) -> Resp:
-        try:
-            return await handler(self, request, context)
-        except DlfleetError as error:
-            await context.abort(status_of(error), str(error))
-
-    wrapper.__name__ = handler.__name__
-    return wrapper
-
-
-# Status details echo client input (names, ids, ranges). A trailer past the
-# client's metadata limit (8 KiB soft, 16 KiB hard by default) is refused by the
-# client, which then sees RESOURCE_EXHAUSTED instead of the real code; non-ASCII
-# bytes are percent-encoded (x3) on the wire.
-MAX_DETAILS_BYTES = 2_000
-
-
-def bounded_details(details: str) -> str:
-    raw = details.encode()
-    if len(raw) <= MAX_DETAILS_BYTES:
-        return details
-    cut = raw[:MAX_DETAILS_BYTES].decode(errors="ignore")
-    return f"{cut}... ({len(raw)} bytes in all)"

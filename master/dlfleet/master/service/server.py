@@ -6,30 +6,30 @@ and answer only once they are durable. A rejected request raises a DlfleetError
 before any event is applied; it is answered with the status code from
 `dlfleet.api.status` and changes nothing.
 
-Lives in the master service process; the job supervisor's control service
-(`dlfleet.master.job.runner`) authenticates with the same `TokenInterceptor`
-and reads its TLS pair with `load_tls_pair`.
+Lives in the master service process. The token check, the request guard and
+the TLS pair are `dlfleet.api.serving`'s, shared with the job supervisor and
+the brain.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dlfleet.api.addresses import peer_host
 from dlfleet.api.errors import DlfleetError, InvalidArgument
-from dlfleet.api.status import TOKEN_METADATA_KEY, status_of
+from dlfleet.api.serving.answers import bounded_details, rpc
+from dlfleet.api.serving.guard import AsyncRequestGuard
+from dlfleet.api.serving.ports import Endpoint, check_port_free
+from dlfleet.api.serving.tls import TlsPair, server_credentials
+from dlfleet.api.serving.tokens import AsyncTokenCheck
+from dlfleet.api.status import status_of
 from dlfleet.api.status_document import status_document
 from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
@@ -51,16 +51,8 @@ from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
 from dlfleet.master.service.node_check_service import NodeCheckService
-from dlfleet.master.service.ports import Endpoint, check_port_free
 from dlfleet.master.service.rendezvous_service import RendezvousService
-from dlfleet.master.service.rpc import (
-    Clock,
-    Continuation,
-    Durable,
-    bounded_details,
-    rpc,
-    system_clock,
-)
+from dlfleet.master.service.rpc import Clock, Durable, system_clock
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.status_service import (
     MasterStatusService,
@@ -80,7 +72,6 @@ SERVICE_NAMES = (
     "dlfleet.api.v1.NodeCheck",
 )
 MAX_PENDING_CALLS = 100_000
-_HEALTH = "/grpc.health.v1.Health/"  # method prefix: no token, no guard
 
 
 class _Handlers:
@@ -283,165 +274,6 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
         return nodes_pb2.DeregisterNodeResponse()
 
 
-class _Malformed:
-    """What a request that does not parse decodes to: it never reaches a
-    handler, and is answered INVALID_ARGUMENT."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-class _Context:
-    """The servicer context as handlers see it: every abort's details bounded."""
-
-    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        self._context = context
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> NoReturn:
-        await self._context.abort(code, bounded_details(details), *args)
-        raise AssertionError("abort returned")  # pragma: no cover - abort raises
-
-
-def _guarded(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-    """`handler` with malformed requests answered INVALID_ARGUMENT (gRPC itself
-    would answer UNKNOWN: an exception escaped the handler) and with every
-    abort's details bounded."""
-    parse = handler.request_deserializer
-
-    def deserialize(raw: bytes) -> Any:
-        try:
-            return parse(raw) if parse is not None else raw
-        except DecodeError as error:
-            return _Malformed(f"malformed request: {error}")
-
-    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded_details(request.why))
-
-    async def each_checked(
-        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Any]:
-        async for request in requests:
-            if type(request) is _Malformed:
-                await refuse(request, context)
-            yield request
-
-    serialize = handler.response_serializer
-    unary: Any = handler.unary_unary
-    streams: Any = handler.stream_stream
-    if inspect.iscoroutinefunction(unary):
-
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if type(request) is _Malformed:
-                await refuse(request, context)
-            return await unary(request, _Context(context))
-
-        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
-    if inspect.isasyncgenfunction(streams):
-
-        async def stream_stream(
-            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
-            responses = streams(each_checked(requests, context), _Context(context))
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    yield response
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
-    return handler  # no other kind among the master's services
-
-
-class RequestGuard(grpc.aio.ServerInterceptor):
-    """Every method but the health check's is `_guarded`: wrapped once per
-    method, not per call (the services' handlers are built once)."""
-
-    def __init__(self) -> None:
-        # method -> (the handler as registered, it guarded)
-        self._guarded: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Continuation,
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        known = self._guarded.get(method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        if method.startswith(_HEALTH):
-            return handler
-        guarded = _guarded(handler)
-        self._guarded[method] = (handler, guarded)
-        return guarded
-
-
-async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
-
-
-# A denial of the method's own kind, by (request streaming, response
-# streaming): a unary one would wait for a request that a streaming client may
-# never send (a hang, not a status).
-_DENIALS: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler(_deny),
-    (False, True): grpc.unary_stream_rpc_method_handler(_deny),
-    (True, False): grpc.stream_unary_rpc_method_handler(_deny),
-    (True, True): grpc.stream_stream_rpc_method_handler(_deny),
-}
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Every RPC but the health check carries the job token (constant-time
-    compare); without it the answer is UNAUTHENTICATED, before any request is
-    read."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-    async def intercept_service(
-        self,
-        continuation: Continuation,
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler_call_details.method.startswith(_HEALTH) or self._authenticated(
-            handler_call_details
-        ):
-            return handler
-        if handler is None:
-            return _DENIALS[False, False]
-        return _DENIALS[bool(handler.request_streaming), bool(handler.response_streaming)]
-
-    def _authenticated(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._token)
-        return False
-
-
-def load_tls_pair(cert_file: Path, key_file: Path) -> tuple[bytes, bytes]:
-    """(certificate chain, private key), read and sanity-checked as PEM."""
-    pair = []
-    for what, path, marker in (
-        ("certificate", cert_file, b"-----BEGIN CERTIFICATE-----"),
-        ("private key", key_file, b"PRIVATE KEY-----"),
-    ):
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise InvalidArgument(f"TLS {what} {path}: {exc.strerror}") from None
-        if marker not in data:
-            raise InvalidArgument(f"TLS {what} {path}: not a PEM {what}")
-        pair.append(data)
-    return pair[0], pair[1]
-
-
 class MasterServer:
     """Binds the services on `host:port` (0 = any free port) and runs the
     periodic expiry of leases and nodes."""
@@ -456,7 +288,7 @@ class MasterServer:
         clock: Clock = system_clock,
         tick_ms: int | None = None,
         extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
-        tls: tuple[bytes, bytes] | None = None,
+        tls: TlsPair | None = None,
         metrics: MasterMetrics | None = None,
         http: HttpSettings | None = None,
     ) -> None:
@@ -509,7 +341,11 @@ class MasterServer:
         self.state.committer.on_commit = self.metrics.committed
         self.state.on_events = self.metrics.shard_events
         server = grpc.aio.server(
-            interceptors=[RpcMetrics(self.metrics), TokenInterceptor(self._token), RequestGuard()],
+            interceptors=[
+                RpcMetrics(self.metrics),
+                AsyncTokenCheck(self._token),
+                AsyncRequestGuard(),
+            ],
             options=[
                 ("grpc.so_reuseport", 0),
                 # Clients ping every 10 s to notice a dead master on streams.
@@ -558,9 +394,7 @@ class MasterServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         try:
             if self._tls is not None:
-                cert, key = self._tls
-                credentials = grpc.ssl_server_credentials([(key, cert)])
-                self.port = server.add_secure_port(self._address, credentials)
+                self.port = server.add_secure_port(self._address, server_credentials(self._tls))
             else:
                 self.port = server.add_insecure_port(self._address)
         except RuntimeError:  # how gRPC says it bound no address

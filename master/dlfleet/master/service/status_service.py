@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dlfleet.api.serving.answers import rpc
+from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.master.service import wire
 from dlfleet.master.service.node_reports import NodeReports
-from dlfleet.master.service.rpc import rpc
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind, Timeline
 
@@ -65,13 +66,6 @@ def master_status(
             )
         )
     return status
-
-
-def samples_per_second(nodes: Iterable[job_pb2.NodeStatus]) -> float:
-    """The job's rate: the sum of its nodes' latest rates (each node's over
-    its ranks, over its last heartbeat), which is what the training script
-    measures too. One rule for the master's status and the supervisor's."""
-    return sum(node.metrics.samples_per_second for node in nodes if node.HasField("metrics"))
 
 
 def global_ranks(state: MasterState) -> dict[str, range]:

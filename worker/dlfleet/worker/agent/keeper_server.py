@@ -7,24 +7,23 @@ outlives an agent that is killed.
 
 Workers attach here for in-process restarts (`orders.py`) and announce their
 checkpoint images; peer agents replicate and fetch images. Every call carries
-the job token, as on the master.
+the job token, checked as on the master (`dlfleet.api.serving.tokens`).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
 from dlfleet.api.addresses import with_port
-from dlfleet.api.status import TOKEN_METADATA_KEY
+from dlfleet.api.serving.tokens import TokenCheck
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.agent.orders import WorkerOrders
 from dlfleet.worker.checkpoint.errors import CheckpointError, ImageChangedError
@@ -102,30 +101,6 @@ class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
         return self.images
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._token):
-                    return continuation(handler_call_details)
-        return _DENIED
-
-
-def _deny(request: Any, context: grpc.ServicerContext) -> None:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
-
-
-_DENIED: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(_deny)
-
-
 def worker_endpoint(name: str) -> str:
     """Where this node's workers reach the agent: the abstract Unix socket
     `name` on Linux (no file: it vanishes with the agent's process, even
@@ -152,7 +127,7 @@ class AgentServer:
     ) -> None:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="keeper"),
-            interceptors=[_TokenCheck(token)],
+            interceptors=[TokenCheck(token)],
             options=[
                 ("grpc.so_reuseport", 0),
                 # Image pieces: 2 MiB of body, plus the header in the first.

@@ -7,7 +7,7 @@ it starts the master, so that a taken port is one `PortInUse`; each program
 names the setting in its own terms (`--port` for `dlmaster`, `master.port` in
 job.yaml for a job).
 
-Lives in the master service process and the job supervisor process.
+Used by the master service process and the job supervisor process.
 """
 
 from __future__ import annotations
