@@ -358,7 +358,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="local_addr",
         help=(
             "the address the other nodes reach this node at (default: the source address of "
-            "this host's route to the master; env PET_LOCAL_ADDR or DLFLEET_NODE_HOST)"
+            f"this host's route to the master; env {' or '.join(LOCAL_ADDR_ENVS)})"
         ),
     )
     add("--token-file", dest="token_file", help=f"file holding the job token (or ${TOKEN_ENV})")

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlfleet.api.env import WORKDIR_ENV
 from dlfleet.worker.checkpoint.errors import PersistError, UnsharedLocationError
 
 MARKER_PREFIX = ".dlfleet-shared-"
@@ -108,7 +109,7 @@ def judge(location: str, sightings: Sequence[Sighting]) -> PersistError | None:
         f"job: a marker file that rank 0 ({writer.node}) wrote there cannot be seen from "
         f"{blind}. Every rank writes its part of a persisted step there and rank 0 "
         "completes the folder, so no step persisted there could ever be restored whole. "
-        "Put persist_dir (by default $DLFLEET_WORKDIR/checkpoints) on a shared or network "
+        f"Put persist_dir (by default ${WORKDIR_ENV}/checkpoints) on a shared or network "
         "file system (NFS, Lustre, a cloud file store) mounted at the same path on every host."
     )
 

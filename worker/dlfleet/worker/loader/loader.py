@@ -52,6 +52,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from dlfleet.api.client import MasterClient
+from dlfleet.api.env import MASTER_ENV, ROUND_ENV
 from dlfleet.api.epochs import cut, epoch_length, require_records
 from dlfleet.api.errors import InvalidArgument, NotFound
 from dlfleet.api.permutation import EpochPermutation
@@ -295,7 +296,7 @@ class ShardedDataLoader:
             assert self.env.master is not None
             if self.mode is LoaderMode.SYNC and self.env.round < 1:
                 raise InvalidArgument(
-                    "a sync ShardedDataLoader needs DLFLEET_ROUND >= 1 (set by dlworker)"
+                    f"a sync ShardedDataLoader needs {ROUND_ENV} >= 1 (set by dlworker)"
                 )
             self._client = MasterClient(self.env.master, token=self.env.token)
             self._register(self._client)
@@ -377,7 +378,7 @@ def _decide_mode(mode: str | None, env: LoaderEnvironment) -> LoaderMode:
         raise InvalidArgument(f"mode must be 'sync' or 'async', got {mode!r}")
     if env.master is None:
         warnings.warn(
-            "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset): the script was "
+            f"ShardedDataLoader: no dlfleet master ({MASTER_ENV} is unset): the script was "
             "started neither by dlworker nor by torchrun --rdzv-backend=dlfleet; each rank "
             "takes a rank-based slice of every epoch, and nothing promises exactly once "
             "across a restart or a changed world",
