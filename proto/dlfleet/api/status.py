@@ -27,6 +27,13 @@ def status_of(error: DlfleetError) -> grpc.StatusCode:
     return GRPC_STATUS[error.code]
 
 
+def status_number(error: DlfleetError) -> int:
+    """`status_of` as the number a stream message carries (`StreamError.code`);
+    `error_from_code` reads it back."""
+    number: int = GRPC_STATUS[error.code].value[0]
+    return number
+
+
 def error_from_status(status: grpc.StatusCode, details: str) -> DlfleetError:
     """The domain error a client raises for a failed RPC."""
     code = _ERROR_CODE.get(status, ErrorCode.INTERNAL)

@@ -17,7 +17,7 @@ from typing import Any
 from dlfleet.api.addresses import peer_host
 from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
 from dlfleet.api.serving.answers import bounded_details, rpc
-from dlfleet.api.status import status_of
+from dlfleet.api.status import status_number, status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
 from dlfleet.master.core.reachability import Published, unreachable
 from dlfleet.master.core.rendezvous import RendezvousEvent, Round
@@ -421,6 +421,6 @@ def join_failed(join_id: int, error: DlfleetError) -> rendezvous_pb2.SessionJoin
     return rendezvous_pb2.SessionJoined(
         join_id=join_id,
         error=shards_pb2.StreamError(
-            code=status_of(error).value[0], message=bounded_details(str(error))
+            code=status_number(error), message=bounded_details(str(error))
         ),
     )

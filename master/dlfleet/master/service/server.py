@@ -29,7 +29,7 @@ from dlfleet.api.serving.guard import AsyncRequestGuard
 from dlfleet.api.serving.ports import Endpoint, check_port_free
 from dlfleet.api.serving.tls import TlsPair, server_credentials
 from dlfleet.api.serving.tokens import AsyncTokenCheck
-from dlfleet.api.status import status_of
+from dlfleet.api.status import status_number
 from dlfleet.api.status_document import status_document
 from dlfleet.api.v1 import (
     checkpoint_pb2_grpc,
@@ -115,7 +115,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             try:
                 response = await self._lease(request)
             except DlfleetError as error:
-                code = status_of(error).value[0]
+                code = status_number(error)
                 response = shards_pb2.LeaseResponse(
                     error=shards_pb2.StreamError(code=code, message=bounded_details(str(error)))
                 )
