@@ -42,6 +42,7 @@ from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
 from dlfleet.master.service.http_api import HttpSettings
 from dlfleet.master.service.state import MasterSettings
+from dlfleet.master.settings import RunSettings
 
 DEFAULT_STORE = "sqlite:///dlfleet-master.db"
 TOKEN_FLAGS = TokenFlags(env=TOKEN_ENV)
@@ -79,31 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--job-name", default="job", help="nodes of other jobs are rejected")
     TOKEN_FLAGS.add_to(p)
-    p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds (default 30)")
-    p.add_argument(
-        "--heartbeat-interval", type=float, default=5.0, help="agents beat every N s (default 5)"
-    )
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=30.0,
-        help="a node silent this long is dropped, seconds (default 30)",
-    )
-    p.add_argument("--min-nodes", type=int, default=1, help="smallest world (default 1)")
-    p.add_argument("--max-nodes", type=int, default=None, help="largest world (default min)")
-    p.add_argument("--node-unit", type=int, default=1, help="world size is a multiple of this")
-    p.add_argument(
-        "--last-call-timeout",
-        type=float,
-        default=3.0,
-        help="seconds to wait for more nodes once min-nodes joined (default 3)",
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a node waits for a round to form before giving up (default 600)",
-    )
+    RunSettings.add_arguments(p)
     p.add_argument(
         "--http-port",
         type=int,
@@ -119,20 +96,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /metrics without the job token (everything else still needs it)",
     )
-    p.add_argument(
-        "--node-check-slow-factor",
-        type=float,
-        default=2.0,
-        help="pre-flight node check: a node slower than this x the median of the others is "
-        "faulty (default 2)",
-    )
-    p.add_argument(
-        "--node-check-timeout",
-        type=float,
-        default=30.0,
-        help="pre-flight node check: seconds each step of a node's check may take before the "
-        "node counts as hung (default 30)",
-    )
     add_tls_flags(p)
     p.add_argument(
         "--forget-nodes",
@@ -143,16 +106,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _settings(args: argparse.Namespace) -> MasterSettings:
+def _settings(run: RunSettings, job_name: str) -> MasterSettings:
     return MasterSettings(
-        job_name=args.job_name,
-        shard=ShardSettings(lease_timeout_ms=int(args.lease_timeout * 1000)),
+        job_name=job_name,
+        shard=ShardSettings(lease_timeout_ms=run.lease_timeout_ms),
         liveness=LivenessSettings(
-            heartbeat_interval_ms=int(args.heartbeat_interval * 1000),
-            heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000),
+            heartbeat_interval_ms=run.heartbeat_interval_ms,
+            heartbeat_timeout_ms=run.heartbeat_timeout_ms,
         ),
-        rendezvous=args.rendezvous,
-        node_check=args.node_check,
+        rendezvous=RendezvousSettings(
+            min_nodes=run.min_nodes,
+            max_nodes=run.world_max,
+            node_unit=run.node_unit,
+            last_call_timeout_ms=run.last_call_timeout_ms,
+            join_timeout_ms=run.join_timeout_ms,
+        ),
+        node_check=NodeCheckSettings(
+            slow_factor=run.node_check_slow_factor,
+            step_timeout_ms=run.node_check_timeout_ms,
+            expected_nodes=run.world_max,
+        ),
     )
 
 
@@ -193,23 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         parser.error(f"--http-port must be in 0..65535, got {args.http_port}")
-    if min(args.lease_timeout, args.heartbeat_interval, args.heartbeat_timeout) <= 0:
-        parser.error("--lease-timeout, --heartbeat-interval and --heartbeat-timeout must be > 0")
-    if args.heartbeat_timeout <= args.heartbeat_interval:
-        parser.error("--heartbeat-timeout must be longer than --heartbeat-interval")
     try:
-        args.rendezvous = RendezvousSettings(
-            min_nodes=args.min_nodes,
-            max_nodes=args.max_nodes if args.max_nodes is not None else args.min_nodes,
-            node_unit=args.node_unit,
-            last_call_timeout_ms=int(args.last_call_timeout * 1000),
-            join_timeout_ms=int(args.join_timeout * 1000),
-        )
-        args.node_check = NodeCheckSettings(
-            slow_factor=args.node_check_slow_factor,
-            step_timeout_ms=int(args.node_check_timeout * 1000),
-            expected_nodes=args.rendezvous.max_nodes,
-        )
+        settings = _settings(RunSettings.from_args(args), args.job_name)
     except DlfleetError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -218,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(
             serve(
-                _settings(args),
+                settings,
                 store_url=args.store,
                 token=token,
                 host=args.host,

@@ -186,6 +186,7 @@ class RunSettings:
             parser.add_argument(
                 item.metadata["flag"],
                 dest=item.name,
+                metavar=item.metadata["flag"].lstrip("-").replace("-", "_").upper(),
                 type=kind,
                 default=default,
                 help=item.metadata["help"].format(
