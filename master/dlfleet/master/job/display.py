@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TextIO
 
+from dlfleet.api.job_phase import JobPhase
 from dlfleet.api.v1 import checkpoint_pb2, job_pb2
 
 
@@ -74,7 +75,9 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
             f"  {ds.name}: epoch {min(ds.epoch + 1, ds.epochs)}/{ds.epochs} "
             f"| {ds.records_done}/{ds.records_total} records ({percent:.1f}%){failed}"
         )
-    if status.phase == "running":  # an ended job has no pace, and nothing left to wait for
+    if (
+        status.phase == JobPhase.RUNNING.value
+    ):  # an ended job has no pace, and nothing left to wait for
         eta = format_duration(status.eta_seconds)
         lines.append(f"  {status.samples_per_second:.1f} samples/s | ETA {eta}")
     for node in status.nodes:

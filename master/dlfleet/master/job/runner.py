@@ -55,6 +55,7 @@ import grpc
 
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
+from dlfleet.api.job_phase import JobPhase
 from dlfleet.api.serving.answers import rpc
 from dlfleet.api.serving.ports import Endpoint, check_port_free
 from dlfleet.api.serving.tls import TlsPair, load_tls_pair, server_credentials
@@ -142,7 +143,7 @@ class JobRunner:
         self.display = display
         self.target = config.nodes.start
         self.relaunches_left = config.max_node_relaunches
-        self.phase = "running"
+        self.phase = JobPhase.RUNNING
         self.reason = ""
         self.result: JobResult | None = None
         self.master: SupervisedMaster | None = None
@@ -240,7 +241,7 @@ class JobRunner:
 
     async def _conclude(self) -> JobResult:
         assert self.result is not None and self.platform is not None
-        self.phase = "succeeded" if self.result.code == 0 else "failed"
+        self.phase = JobPhase.ended(self.result.code)
         self.reason = self.result.reason
         if self.result.code != 130 or not self.platform.outlives_runner:
             await asyncio.to_thread(self.platform.shutdown, STOP_GRACE_S)
@@ -651,7 +652,7 @@ class JobRunner:
         view = self.view
         status = job_pb2.JobStatus(
             job_name=self.config.name,
-            phase=self.phase,
+            phase=self.phase.value,
             target_nodes=self.target,
             reason=self.reason,
             eta_seconds=-1,

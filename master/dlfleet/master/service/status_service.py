@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dlfleet.api.job_phase import JobPhase
 from dlfleet.api.serving.answers import rpc
 from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
@@ -93,7 +94,7 @@ def job_status(
     view = master_status(state, failures, reports, now_ms)
     status = job_pb2.JobStatus(
         job_name=state.settings.job_name,
-        phase="running",
+        phase=JobPhase.RUNNING.value,
         round=view.round,
         world_size=view.world_size,
         datasets=view.datasets,
