@@ -45,11 +45,13 @@ import secrets
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from e2e.scripts.host_steps import read_steps  # noqa: E402
 from netns import NetLab, Output, netns_unavailable, user_env  # noqa: E402
 
 HOSTS = {"m": "10.233.0.1", "a": "10.233.0.2", "b": "10.233.0.3", "c": "10.233.0.4"}
@@ -87,22 +89,20 @@ def commands(system: str, trial: int, out: Path, step_s: float) -> tuple[list[st
     return [], [*node.split(), *script]
 
 
-def steps(out: Path) -> list[tuple[float, int, str]]:
-    """(wall time, world size, host) of every step logged."""
-    found = []
-    for path in out.glob("steps-*"):
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 6:
-                found.append((float(fields[0]), int(fields[1]), fields[4]))
-    return sorted(found)
+Steps = list[tuple[float, int, str]]
 
 
-def wait(out: Path, what: str, done: object, timeout: float, outputs: list[Output]) -> float:
+def wait(
+    out: Path,
+    what: str,
+    done: Callable[[Steps], float | None],
+    timeout: float,
+    outputs: list[Output],
+) -> float:
     """Until `done(steps)` gives a time; that time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        at = done(steps(out))  # type: ignore[operator]
+        at = done(read_steps(out))
         if at is not None:
             return float(at)
         time.sleep(0.05)

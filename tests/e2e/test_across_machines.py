@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 from e2e.ledger import assert_exactly_once, read_ledger
-from netns import NetLab, Output, netns_unavailable, user_env
+from e2e.scripts.host_steps import read_steps
+from netns import NetLab, Output, require_netns, user_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -60,9 +61,7 @@ def with_script(command: list[str], script: Path, *args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[NetLab]:
-    reason = netns_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
+    require_netns()
     net = NetLab(dict(HOSTS), debian_hosts=frozenset({"a"}), second_net={"b": "10.99.0.3"}).start()
     try:
         yield net
@@ -175,21 +174,10 @@ def test_readme_commands_train_across_machines_through_a_lost_and_an_added_node(
         ].tail()
 
 
-def host_steps(out: Path) -> list[tuple[float, int, str]]:
-    """(wall time, world size, hostname) of each step host_steps.py logged."""
-    found = []
-    for path in out.glob("steps-*"):
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 6:
-                found.append((float(fields[0]), int(fields[1]), fields[4]))
-    return sorted(found)
-
-
 def wait_host_step(out: Path, host: str, world: int, after: float, *outputs: Output) -> None:
     """Until `host` logs a step in a world of `world` after wall time `after`."""
     deadline = time.monotonic() + 120
-    while not any(t > after and w == world and h == host for t, w, h in host_steps(out)):
+    while not any(t > after and w == world and h == host for t, w, h in read_steps(out)):
         if time.monotonic() > deadline:
             tails = "\n\n".join(f"{o.name}:\n{o.tail()}" for o in outputs)
             raise AssertionError(f"{host} trained in no world of {world} in 120s\n{tails}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NetLab, Output, netns_unavailable, user_env
+from netns import NetLab, Output, require_netns, user_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -214,9 +214,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[NetLab]:
-    reason = netns_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
+    require_netns()
     net = NetLab(dict(HOSTS)).start()
     try:
         yield net

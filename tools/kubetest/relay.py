@@ -94,11 +94,9 @@ class ApiRelay:
 
     def _copy(self, netns: Path, source: socket.socket, sink: socket.socket) -> None:
         """One direction of a connection; its end ends both directions."""
-        try:
+        with contextlib.suppress(OSError):  # either end gone: the connection is over
             while data := source.recv(CHUNK):
                 sink.sendall(data)
-        except OSError:
-            pass
         with self._lock:
             connections = self._connections.get(netns, set())
             connections.discard(source)

@@ -6,6 +6,8 @@ under dlworker and under torchrun (tests/e2e/test_across_machines.py,
 bench/machines.py).
 
     host_steps.py OUT STEP_S
+
+`read_steps(OUT)` reads them back (torch is imported only to train).
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+
+def read_steps(out: Path) -> list[tuple[float, int, str]]:
+    """(wall time, world size, hostname) of every step logged in `out`, in time order."""
+    found = []
+    for path in out.glob("steps-*"):
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6:
+                found.append((float(fields[0]), int(fields[1]), fields[4]))
+    return sorted(found)
 
 
 def main() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
     out, step_s = Path(sys.argv[1]), float(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     world, rank = dist.get_world_size(), dist.get_rank()

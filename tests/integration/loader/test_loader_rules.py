@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from harness import TOKEN, Running, run_ranks
-from torch.utils.data import Dataset
+from integration.loader.loader_ddp_rank import Records
 
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader
@@ -24,17 +24,6 @@ DROPPED = (
     "size): with drop_last no record would train; pass drop_last=False for one short batch "
     "per epoch, or a smaller batch_size"
 )
-
-
-class Records(Dataset[int]):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 @pytest.fixture

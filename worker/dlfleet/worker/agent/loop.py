@@ -524,10 +524,9 @@ class Agent:
         started = time.monotonic()
         say_at = started + WAITING_SAY_S
         while True:
-            try:
-                return pending.result(timeout=0.2)
-            except concurrent.futures.TimeoutError:
-                pass
+            done, _ = concurrent.futures.wait([pending], timeout=0.2)
+            if done:
+                return pending.result()
             if self.preempted.is_set():
                 pending.cancel()
                 return None
