@@ -29,6 +29,9 @@ import yaml
 RULES_PATH = Path(__file__).with_name("diagnosis_rules.yaml")
 TABLE_VERSION = 1
 ANY_EXCEPTION = "any"
+# How the master's refusal of a join begins once its restart-loop breaker gave
+# up (the agent then exits as a node whose workers failed, not as one lost).
+RESTART_LOOP_REFUSAL = "restart loop:"
 # "Traceback ...\n  ...\nValueError: bad" / "torch.OutOfMemoryError: ..." / "KeyboardInterrupt"
 _EXCEPTION_LINE = re.compile(
     r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\b"
@@ -76,6 +79,9 @@ class FailureFacts:
     steps: int | None = None
     ranks: int = 1  # the node's local ranks
     ranks_alike: int = 1  # of them, those that failed with this same exception
+    # The master's restart-loop breaker found the job failing again at the
+    # same step after every restore, down to the oldest step it could restore.
+    restart_loop: bool = False
 
     @property
     def before_first_step(self) -> bool | None:
@@ -115,6 +121,7 @@ class Conditions:
     repeated: bool | None = None
     before_first_step: bool | None = None
     every_rank: bool | None = None
+    restart_loop: bool | None = None
 
     def hold(self, facts: FailureFacts) -> bool:
         if self.text and not _any_found(self.text, facts):
@@ -132,6 +139,7 @@ class Conditions:
             (self.hung, facts.hung),
             (self.repeated, bool(facts.signature) and facts.signature == facts.previous_exception),
             (self.every_rank, facts.every_rank),
+            (self.restart_loop, facts.restart_loop),
         )
         if not all(wanted is None or wanted == actual for wanted, actual in flags):
             return False
@@ -253,7 +261,7 @@ def exception_name(text: str) -> str:
 # ------------------------------------------------------------------ parsing
 
 _KEYS = {"name", "category", "action", "when"}
-_FLAGS = ("oom_killed", "hung", "repeated", "before_first_step", "every_rank")
+_FLAGS = ("oom_killed", "hung", "repeated", "before_first_step", "every_rank", "restart_loop")
 _WHEN_KEYS = {"text", "exception", "signal", "exit_code", *_FLAGS}
 
 

@@ -78,6 +78,9 @@ PEER_FAILURE_GRACE_ENV = "DLFLEET_PEER_FAILURE_GRACE"
 NODE_CHECK_SLOWDOWN_ENV = "DLFLEET_NODE_CHECK_SLOWDOWN"
 # The file catalog's cache folder. Set by the user; read by the loader.
 CATALOG_CACHE_ENV = "DLFLEET_CATALOG_CACHE"
+# In a master Pod the DLFleetJob controller made: the resource's name (its
+# status is written and its spec.nodes followed by the job supervisor).
+RESOURCE_ENV = "DLFLEET_RESOURCE"
 
 # dlbrain's token and database URL. Set by the user; read by dlbrain.
 BRAIN_TOKEN_ENV = "DLFLEET_BRAIN_TOKEN"
