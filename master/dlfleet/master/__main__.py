@@ -38,6 +38,7 @@ from dlfleet.master.core.job_identity import StoreClaimError, StoreHoldsAnotherJ
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.node_check import NodeCheckSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
+from dlfleet.master.core.restart_loop import BreakerSettings
 from dlfleet.master.core.shards import ShardSettings
 from dlfleet.master.service.app import serve
 from dlfleet.master.service.http_api import HttpSettings
@@ -126,6 +127,9 @@ def _settings(run: RunSettings, job_name: str) -> MasterSettings:
             step_timeout_ms=run.node_check_timeout_ms,
             expected_nodes=run.world_max,
         ),
+        restart_loop=BreakerSettings(
+            failures=run.restart_loop_failures, window=run.restart_loop_window
+        ),
     )
 
 
@@ -150,12 +154,69 @@ def _claim_advice(exc: StoreClaimError, args: argparse.Namespace) -> str:
     return f", and a store holds one job: pass --resume to continue that job, {new_job}{default}"
 
 
+def _print_crd(argv: list[str]) -> int:
+    """`dlmaster crd`: the DLFleetJob CustomResourceDefinition, as YAML, for
+    `kubectl apply -f -` (deploy/crd/dlfleetjob.yaml holds the same)."""
+    parser = argparse.ArgumentParser(
+        prog="dlmaster crd", description="Print the DLFleetJob CustomResourceDefinition (YAML)."
+    )
+    parser.parse_args(argv)
+    import yaml
+
+    from dlfleet.master.job.platform.crd import definition
+
+    sys.stdout.write("# Made by `dlmaster crd` from job.yaml's schema (JobConfig): do not edit.\n")
+    sys.stdout.write(yaml.safe_dump(definition(), sort_keys=False, width=100))
+    return 0
+
+
+def _operator(argv: list[str]) -> int:
+    """`dlmaster operator`: the DLFleetJob controller, until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(
+        prog="dlmaster operator",
+        description="Run the DLFleetJob controller: for each DLFleetJob, its master Job, "
+        "job.yaml and token, owned by the resource; its status kept.",
+    )
+    parser.add_argument("--image", required=True, help="the master image of the jobs' masters")
+    parser.add_argument("--namespace", help="watch this namespace only (default: all)")
+    parser.add_argument("--kubeconfig", help="default: in-cluster, else $KUBECONFIG")
+    parser.add_argument(
+        "--service-account", default="dlfleet-master", help="the masters' (dlfleet-master)"
+    )
+    parser.add_argument("--period", type=float, default=2.0, help="seconds between passes (2)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if not args.period > 0:
+        parser.error(f"--period must be > 0 seconds, got {args.period}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    import signal
+    import threading
+
+    from dlfleet.master.job.platform.kubernetes import connect
+    from dlfleet.master.job.platform.operator import OperatorSettings
+    from dlfleet.master.job.platform.operator_loop import Operator
+
+    settings = OperatorSettings(master_image=args.image, service_account=args.service_account)
+    operator = Operator(connect(args.kubeconfig), settings, args.namespace)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    where = f"namespace {args.namespace}" if args.namespace else "every namespace"
+    logging.getLogger("dlfleet.operator").info("watching DLFleetJobs in %s", where)
+    operator.run(stop, args.period)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("scale", "status"):
         from dlfleet.master.job.control import control_main
 
         return control_main(argv)
+    if argv and argv[0] == "crd":
+        return _print_crd(argv[1:])
+    if argv and argv[0] == "operator":
+        return _operator(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.job_config is not None:

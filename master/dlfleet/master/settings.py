@@ -1,10 +1,10 @@
 """What a master runs with: every default of its settings, written once.
 
 `RunSettings` holds the settings a master takes from its command line (and a
-job takes from job.yaml): lease, heartbeat, rendezvous and node-check timing
-and the node range. `add_arguments` builds `dlmaster`'s flags from it, and
-`to_argv` gives the flags back, so a job supervisor starts its master with
-exactly these values. The cores' settings (`LivenessSettings`,
+job takes from job.yaml): lease, heartbeat, rendezvous and node-check timing,
+the node range and the restart-loop breaker's. `add_arguments` builds
+`dlmaster`'s flags from it, and `to_argv` gives the flags back, so a job
+supervisor starts its master with exactly these values. The cores' settings (`LivenessSettings`,
 `RendezvousSettings`, ...) take their defaults from `STANDALONE` and are built
 from a `RunSettings` by `dlmaster` (`__main__`).
 
@@ -125,7 +125,27 @@ class RunSettings:
         ),
     )
 
+    restart_loop_failures: int = field(
+        default=3,
+        metadata=_flag(
+            "--restart-loop-failures",
+            "rounds failing again after restoring the same step before restores take an "
+            "older one; none older left fails the job (0: off; default {default})",
+        ),
+    )
+    restart_loop_window: int = field(
+        default=2,
+        metadata=_flag(
+            "--restart-loop-window",
+            "steps past the restored one a round may commit and still count as failing "
+            "at the same step (default {default})",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        for name in ("restart_loop_failures", "restart_loop_window"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lease_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
@@ -182,7 +202,7 @@ class RunSettings:
         """Its flags, with `STANDALONE`'s defaults; `from_args` reads them."""
         for item in dataclasses.fields(cls):
             default = getattr(STANDALONE, item.name)
-            kind = int if item.name in ("min_nodes", "max_nodes", "node_unit") else float
+            kind = int if item.name in _INTEGERS else float
             parser.add_argument(
                 item.metadata["flag"],
                 dest=item.name,
@@ -198,6 +218,11 @@ class RunSettings:
     def from_args(cls, args: argparse.Namespace) -> RunSettings:
         """From `add_arguments`' flags; InvalidArgument names what is wrong."""
         return cls(**{item.name: getattr(args, item.name) for item in dataclasses.fields(cls)})
+
+
+_INTEGERS = frozenset(
+    ("min_nodes", "max_nodes", "node_unit", "restart_loop_failures", "restart_loop_window")
+)
 
 
 def _ms(seconds: float) -> int:

@@ -5,15 +5,25 @@ the node's agent copies it to one peer and reports the copies it holds. This
 table keeps one record per step: the round that saved it, that round's world
 size, and the copies reported per rank (node, own or replica, address, size).
 
-- A step is *committed* once every rank 0..world_size-1 has had its own copy
-  reported (a later loss of copies does not undo that), *replicated* once it
-  is committed and every rank has also had a replica reported (when the
-  ranks saved on more than one node: losing any one node then loses no
-  image of it), and *restorable* while it is committed and every rank has at
-  least one copy on a node that is not gone. `latest` answers the newest
-  restorable step. Agents hold a save's answer until its step is replicated
-  (bounded), so that a rank finishing step s+1 knows step s survives the loss
-  of any one node.
+- A step is *committed* once every rank 0..world_size-1 has had a copy of
+  its image reported, its own node's or a replica on another node (a replica
+  is a verified copy of the image: it proves the rank saved the step as well
+  as the rank's own report does; a later loss of copies does not undo that),
+  *replicated* once it is committed and every rank has also had a replica
+  reported (when the ranks saved on more than one node: losing any one node
+  then loses no image of it), and *restorable* while it is committed and
+  every rank has at least one copy on a node that is not gone. `latest`
+  answers the newest restorable step. Agents hold a save's answer until its
+  step is replicated (bounded), so that a rank finishing step s+1 knows step
+  s survives the loss of any one node.
+- A double fault: while the master is away (it restarts), the saves do not
+  wait for it; an agent then answers its workers once its node holds every
+  rank's image of the step, own or replica (`dlfleet.worker.agent.keeper`),
+  and when the master answers again it reports every image it holds. If a
+  node was lost meanwhile, the survivor's own images and its replicas of the
+  lost node's make the step committed and restorable here, because replicas
+  count as saves: the survivors restore it, not the last step committed
+  before the outage, and no step is counted that is not held whole.
 - Lineage: a step belongs to one round. A report of round R for step s abandons
   every record (and the persisted step) of an older round at a step >= s: a
   restore went back before them, so they are a future that will not happen.
@@ -127,7 +137,7 @@ class StepRecord:
     round: int
     world_size: int
     by_node: dict[str, dict[tuple[int, bool], ImageCopy]] = field(default_factory=dict)
-    saved: set[int] = field(default_factory=set)  # ranks whose own copy was ever reported
+    saved: set[int] = field(default_factory=set)  # ranks with a copy ever reported
     savers: set[str] = field(default_factory=set)  # nodes that ever reported an own copy
     replicated: set[int] = field(default_factory=set)  # ranks whose replica was ever reported
     holders: Counter[int] = field(default_factory=Counter)  # copies per rank, > 0
@@ -139,10 +149,12 @@ class StepRecord:
     @property
     def safe(self) -> bool:
         """Committed, and no single node's loss could take every copy of a
-        rank's image (a round of one node has no peer to copy to)."""
+        rank's image (a round of one node has no peer to copy to: it made
+        no replica, and its own copies came from that node alone)."""
         if not self.committed:
             return False
-        return len(self.savers) <= 1 or len(self.replicated) == self.world_size
+        alone = len(self.savers) <= 1 and not self.replicated
+        return alone or len(self.replicated) == self.world_size
 
     @property
     def restorable(self) -> bool:
@@ -160,10 +172,10 @@ class StepRecord:
         if (copy.rank, copy.replica) not in held:
             self.holders[copy.rank] += 1
         held[(copy.rank, copy.replica)] = copy
+        self.saved.add(copy.rank)
         if copy.replica:
             self.replicated.add(copy.rank)
         else:
-            self.saved.add(copy.rank)
             self.savers.add(copy.node_id)
 
     def remove_node(self, node_id: str) -> None:
@@ -278,6 +290,23 @@ class CheckpointTable:
     def committed_step(self) -> int:
         return max((s for s, r in self.records.items() if r.committed), default=NONE)
 
+    def committed_in_round(self, round_: int) -> int:
+        """The newest step `round_` itself saved that is committed: how far
+        that round got (the restart-loop breaker's measure of progress)."""
+        return max(
+            (s for s, r in self.records.items() if r.round == round_ and r.committed),
+            default=NONE,
+        )
+
+    def held_below(self, step: int) -> bool:
+        """Whether a step below `step` can be restored: a restorable image in
+        memory, or the persisted step the table knows of (older persisted
+        folders it does not know of may exist as well)."""
+        if step <= 0:
+            return False
+        persisted = self.persisted
+        return self.latest(step) is not None or (persisted is not None and persisted.step < step)
+
     def replicated_step(self) -> int:
         return max((s for s, r in self.records.items() if r.safe), default=NONE)
 
@@ -341,6 +370,12 @@ class CheckpointTable:
         self._appliers[type(event)](event)
 
     def _emit(self, events: list[CheckpointEvent], event: CheckpointEvent) -> None:
+        """Apply `event` as soon as it is decided, and keep it for the
+        journal: a report abandons older rounds' steps, then adds its copies,
+        then bounds the table, each step reading what the one before changed.
+        `apply` is still the only way state changes, and the events the whole
+        of it (one journal append; replay applies them with the same
+        `apply`)."""
         self.apply(event)
         events.append(event)
 

@@ -5,6 +5,13 @@ heartbeats and reports of an older incarnation are stale. A node whose last
 heartbeat is older than the timeout is dead: `expire` reports it once, and the
 owner releases what it held. Time is an argument; nothing here reads a clock.
 
+The table changes only through its events (`node_events.py`), like the other
+cores: `register`, `forget` and `expire` first decide (read the table,
+validate, and build the events, or raise with nothing changed), then hand each
+event to `apply`, the same `apply` that replays the "nodes" stream after a
+master restart, and return the events for the journal. A heartbeat is not an
+event: it only moves a deadline that recovery renews for every node anyway.
+
 Nodes are kept in the order of their last heartbeat, so `expire` looks only at
 the silent ones (O(expired), not O(nodes): the master runs it several times a
 second at ten thousand nodes). The order holds while time does not go back; if
@@ -17,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.master.core.node_events import NodeEvent, NodeForgotten, NodeRegistered
 from dlfleet.master.settings import STANDALONE
 
 MAX_NODE_NAME = 200
@@ -38,10 +46,6 @@ class NodeRecord:
     last_seen_ms: int
 
 
-def node_id_of(name: str, incarnation: int) -> str:
-    return f"{name}#{incarnation}"
-
-
 class NodeTable:
     def __init__(self, settings: LivenessSettings | None = None) -> None:
         self.settings = settings or LivenessSettings()
@@ -50,9 +54,14 @@ class NodeTable:
         # The names of `nodes`, the longest silent first.
         self._by_beat: OrderedDict[str, None] = OrderedDict()
 
-    def register(self, name: str, local_world_size: int, host: str, now_ms: int) -> NodeRecord:
-        """A new incarnation of `name`; a previous live one is replaced (the
-        caller releases what it held: see `register` callers)."""
+    # ------------------------------------------------------------ operations
+
+    def register(
+        self, name: str, local_world_size: int, host: str, now_ms: int
+    ) -> tuple[NodeRecord, list[NodeEvent]]:
+        """A new incarnation of `name`: its record, and the events (the live
+        incarnation it replaces forgotten, if there is one, then the new one
+        registered; the caller releases what the replaced one held)."""
         if not name or len(name) > MAX_NODE_NAME or not name.isprintable() or "#" in name:
             raise InvalidArgument(
                 f"node name must be 1..{MAX_NODE_NAME} printable characters without '#', "
@@ -60,32 +69,45 @@ class NodeTable:
             )
         if not 1 <= local_world_size <= 1024:
             raise InvalidArgument(f"local_world_size must be in 1..1024, got {local_world_size}")
+        events: list[NodeEvent] = []
+        previous = self.nodes.get(name)
+        if previous is not None:
+            events.append(_forgotten(previous))
         incarnation = self._incarnations.get(name, 0) + 1
-        self._incarnations[name] = incarnation
-        record = NodeRecord(
-            node_id_of(name, incarnation), name, incarnation, local_world_size, host, now_ms
-        )
-        self.nodes[name] = record
-        self._beat(name)
-        return record
+        events.append(NodeRegistered(name, incarnation, local_world_size, host, now_ms))
+        for event in events:
+            self.apply(event)
+        return self.nodes[name], events
 
-    def restore(
-        self, name: str, incarnation: int, local_world_size: int, host: str, now_ms: int
-    ) -> None:
-        """Rebuild a node after a master restart; it gets a full timeout."""
-        self._incarnations[name] = max(self._incarnations.get(name, 0), incarnation)
-        self.nodes[name] = NodeRecord(
-            node_id_of(name, incarnation), name, incarnation, local_world_size, host, now_ms
-        )
-        self._beat(name)
+    def forget(self, node_id: str) -> list[NodeEvent]:
+        """The live incarnation `node_id` goes (it died, left or finished);
+        nothing if the table does not hold it (any more)."""
+        record = self.nodes.get(node_id.rpartition("#")[0])
+        if record is None or record.node_id != node_id:
+            return []
+        event = _forgotten(record)
+        self.apply(event)
+        return [event]
 
-    def forget(self, name: str) -> None:
-        self.nodes.pop(name, None)
-        self._by_beat.pop(name, None)
+    def expire(self, now_ms: int) -> list[NodeEvent]:
+        """Nodes silent for longer than the timeout: they are forgotten."""
+        timeout = self.settings.heartbeat_timeout_ms
+        events: list[NodeEvent] = []
+        for name in self._by_beat:
+            record = self.nodes[name]
+            if now_ms - record.last_seen_ms <= timeout:
+                break
+            events.append(_forgotten(record))
+        for event in events:
+            self.apply(event)
+        return events
 
-    def _beat(self, name: str) -> None:
-        self._by_beat[name] = None
-        self._by_beat.move_to_end(name)
+    def heartbeat(self, node_id: str, incarnation: int, now_ms: int) -> None:
+        record = self.live(node_id, incarnation)
+        record.last_seen_ms = max(record.last_seen_ms, now_ms)
+        self._by_beat.move_to_end(record.name)
+
+    # --------------------------------------------------------------- queries
 
     def live(self, node_id: str, incarnation: int) -> NodeRecord:
         name = node_id.rpartition("#")[0]
@@ -94,21 +116,34 @@ class NodeTable:
             raise StaleError(f"node {node_id!r} incarnation {incarnation} is not registered")
         return record
 
-    def heartbeat(self, node_id: str, incarnation: int, now_ms: int) -> None:
-        record = self.live(node_id, incarnation)
-        record.last_seen_ms = max(record.last_seen_ms, now_ms)
-        self._by_beat.move_to_end(record.name)
+    # ----------------------------------------------------------------- apply
 
-    def expire(self, now_ms: int) -> list[NodeRecord]:
-        """Nodes silent for longer than the timeout; they are removed."""
-        timeout = self.settings.heartbeat_timeout_ms
-        dead: list[NodeRecord] = []
-        for name in self._by_beat:
-            record = self.nodes[name]
-            if now_ms - record.last_seen_ms <= timeout:
-                break
-            dead.append(record)
-        for record in dead:
-            del self.nodes[record.name]
-            del self._by_beat[record.name]
-        return dead
+    def apply(self, event: NodeEvent) -> None:
+        """The one way the table changes, live and in replay. A registration
+        replaces the name's record (a restored node is live from the time its
+        event says: recovery then gives it a full timeout); forgetting an
+        incarnation the table no longer holds changes nothing."""
+        name = event.name
+        if isinstance(event, NodeRegistered):
+            self._incarnations[name] = max(self._incarnations.get(name, 0), event.incarnation)
+            self.nodes[name] = NodeRecord(
+                event.node_id,
+                name,
+                event.incarnation,
+                event.local_world_size,
+                event.host,
+                event.registered_ms,
+            )
+            self._by_beat[name] = None
+            self._by_beat.move_to_end(name)
+        elif isinstance(event, NodeForgotten):
+            record = self.nodes.get(name)
+            if record is not None and record.incarnation == event.incarnation:
+                del self.nodes[name]
+                self._by_beat.pop(name, None)
+        else:
+            raise AssertionError(f"unknown node event {event!r}")
+
+
+def _forgotten(record: NodeRecord) -> NodeForgotten:
+    return NodeForgotten(record.name, record.incarnation, record.local_world_size, record.host)

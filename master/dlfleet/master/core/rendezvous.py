@@ -567,6 +567,11 @@ class Rendezvous:
             raise AssertionError(f"unknown rendezvous event {event!r}")
 
     def _emit(self, events: list[RendezvousEvent], event: RendezvousEvent) -> None:
+        """Apply `event` as soon as it is decided, and keep it for the
+        journal: a join closes a round, then waits, then may form the next
+        one, each step reading what the one before changed. `apply` is still
+        the only way state changes, and the events the whole of it (one
+        journal append; replay applies them with the same `apply`)."""
         self.apply(event)
         events.append(event)
 

@@ -565,6 +565,13 @@ class ShardBook:
         self._appliers[type(event)](event)
 
     def _emit(self, events: list[Event], event: Event) -> None:
+        """Apply `event` as soon as it is decided, and keep it for the
+        journal. An operation decides in steps that read what the step before
+        changed (a lease run grants one lease after another, an ack may end
+        the epoch), so it applies as it goes rather than deciding on a copy;
+        `apply` is still the only way state changes, and the events the whole
+        of it: the master writes them in one append, and replay applies them
+        with the same `apply`."""
         self.apply(event)
         events.append(event)
 

@@ -2,7 +2,8 @@
 
 `LiveDisplay` (a TTY): the nodes' output scrolls as usual, and a status block
 stays at the bottom, redrawn in place (round, nodes, shards done/total per
-dataset, samples/s, ETA, in-memory checkpoints, last failure). `PlainDisplay`
+dataset, samples/s, ETA and the goodput the master accounts for, in-memory
+checkpoints, last failure). `PlainDisplay`
 (a pipe, a CI log): the same output lines, and the status as one plain log
 line every `every_s` seconds. Both take lines from several threads (node output readers, logging),
 so writes are serialised by a lock.
@@ -22,6 +23,7 @@ import time
 from typing import TextIO
 
 from dlfleet.api.job_phase import JobPhase
+from dlfleet.api.node_state import NodeState
 from dlfleet.api.v1 import checkpoint_pb2, job_pb2
 
 
@@ -58,6 +60,22 @@ def checkpoint_line(checkpoints: checkpoint_pb2.CheckpointStatus) -> str | None:
     return "checkpoints: " + ", ".join(parts) if parts else None
 
 
+def goodput_text(goodput: job_pb2.Goodput) -> str | None:
+    """The job's goodput and its two largest causes of lost time, for the
+    pace line; None before the first step."""
+    if goodput.window_seconds <= 0:
+        return None
+    lost = sorted(
+        (item for item in goodput.badput if item.seconds >= 0.05), key=lambda b: -b.seconds
+    )
+    causes = ", ".join(
+        f"{item.cause} "
+        + (f"{item.seconds:.1f}s" if item.seconds < 60 else format_duration(item.seconds))
+        for item in lost[:2]
+    )
+    return f"goodput {100 * goodput.ratio:.1f}%" + (f" (lost: {causes})" if causes else "")
+
+
 def status_lines(status: job_pb2.JobStatus) -> list[str]:
     """The status block: a few short lines, the same on a TTY and in a log."""
     states: dict[str, int] = {}
@@ -79,11 +97,13 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
         status.phase == JobPhase.RUNNING.value
     ):  # an ended job has no pace, and nothing left to wait for
         eta = format_duration(status.eta_seconds)
-        lines.append(f"  {status.samples_per_second:.1f} samples/s | ETA {eta}")
+        goodput = goodput_text(status.goodput) if status.HasField("goodput") else None
+        pace = f"  {status.samples_per_second:.1f} samples/s | ETA {eta}"
+        lines.append(pace + (f" | {goodput}" if goodput else ""))
     for node in status.nodes:
-        if node.detail and node.state == "starting":
+        if node.detail and node.state == NodeState.STARTING.value:
             lines.append(f"  {node.name}: {node.detail[:140]}")
-        elif node.HasField("metrics") and node.state == "running":
+        elif node.HasField("metrics") and node.state == NodeState.RUNNING.value:
             m = node.metrics
             # Before its first step a node has no pace to show (not a pace of 0).
             pace = (
@@ -94,7 +114,7 @@ def status_lines(status: job_pb2.JobStatus) -> list[str]:
             lines.append(
                 f"  {node.name}: {pace} | cpu {m.cpu_percent:.0f}% | rss {m.rss_bytes >> 20} MiB"
             )
-        elif node.state == "faulty" and node.check.faulty:
+        elif node.state == NodeState.FAULTY.value and node.check.faulty:
             check = node.check
             lines.append(f"  {node.name}: node check {check.rule}: {check.reason[:140]}")
     checkpoints = checkpoint_line(status.checkpoints) if status.HasField("checkpoints") else None

@@ -29,6 +29,12 @@
                                 # replaced before training. auto: on when nodes.max > 1. Two
                                 # nodes are judged by their matmuls and timeouts only (one
                                 # pair isolates neither)
+    restart_loop:               # the restart-loop breaker: `failures` rounds failing
+      failures: 3               # after restoring the same step, each having committed
+      window: 2                 # at most `window` steps past it, make restores take an
+                                # older step; with none older left the job fails with a
+                                # diagnosis (the step, its leases, the last error).
+                                # failures: 0 turns it off
     max_node_relaunches: 3      # replacements of dead nodes, for the whole job
     relaunch_delay_s: 2.0       # pause before a dead node is replaced
     rendezvous: {last_call_timeout_s: 1.0, join_timeout_s: 600, node_unit: 1}
@@ -70,6 +76,7 @@
       node_selector: {}
       tolerations: []
       priority_class: null
+      scheduler_name: null      # the worker Pods' schedulerName (a gang scheduler)
       service_account: null
       labels: {}
       annotations: {}
@@ -163,6 +170,11 @@ class RendezvousConfig(_Strict):
     last_call_timeout_s: float = Field(default=FOR_JOB.last_call_timeout_s, ge=0, le=3_600)
     join_timeout_s: Seconds = FOR_JOB.join_timeout_s
     node_unit: int = Field(default=FOR_JOB.node_unit, ge=1)
+
+
+class RestartLoopConfig(_Strict):
+    failures: int = Field(default=FOR_JOB.restart_loop_failures, ge=0, le=1_000)
+    window: int = Field(default=FOR_JOB.restart_loop_window, ge=0, le=1_000_000)
 
 
 class HeartbeatConfig(_Strict):
@@ -267,6 +279,9 @@ class KubernetesConfig(_Strict):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     priority_class: str | None = None
+    # The scheduler the worker Pods ask for (a gang scheduler's, say); None:
+    # the cluster's default.
+    scheduler_name: str | None = None
     service_account: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -381,6 +396,7 @@ class JobConfig(_Strict):
     step_timeout_min_s: float | None = Field(default=None, gt=0, le=86_400)
     diagnosis: DiagnosisConfig = DiagnosisConfig()
     node_check: NodeCheckConfig = NodeCheckConfig()
+    restart_loop: RestartLoopConfig = RestartLoopConfig()
     max_node_relaunches: int = Field(default=3, ge=0, le=1_000)
     relaunch_delay_s: float = Field(default=2.0, ge=0, le=3_600)
     rendezvous: RendezvousConfig = RendezvousConfig()
@@ -473,6 +489,8 @@ class JobConfig(_Strict):
             join_timeout_s=self.rendezvous.join_timeout_s,
             node_check_slow_factor=self.node_check.slow_factor,
             node_check_timeout_s=self.node_check.timeout_s,
+            restart_loop_failures=self.restart_loop.failures,
+            restart_loop_window=self.restart_loop.window,
         )
 
     def agent_step_timeout_flags(self) -> list[str]:

@@ -34,6 +34,13 @@ The job succeeds when no node is active any more and at least one succeeded.
 started, or the newest ones are asked to leave (SIGTERM: they stop their
 workers and leave the round, and the rest re-form at once).
 
+What an exit, a suspect, a new target or an empty job means is the policy's
+call (`dlfleet.master.job.policy`, pure); the runner gathers the facts,
+asks, and carries the answer out. What it holds about the job is one
+`JobState` (`dlfleet.master.job.states`). The master, its client, the
+platform and the brain link are built by a `Wiring` (production by
+default), so a test can hand the runner fakes.
+
 Lives in the job supervisor process (`dlmaster --job-config`).
 """
 
@@ -48,14 +55,12 @@ import secrets
 import shutil
 import signal
 import socket
-from dataclasses import dataclass
+import time
 from typing import Any
 
 import grpc
 
-from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import DlfleetError, InvalidArgument
-from dlfleet.api.job_phase import JobPhase
 from dlfleet.api.serving.answers import rpc
 from dlfleet.api.serving.ports import Endpoint, check_port_free
 from dlfleet.api.serving.tls import TlsPair, load_tls_pair, server_credentials
@@ -67,40 +72,53 @@ from dlfleet.brain import PlanKind
 from dlfleet.master.job.brain_link import BrainLink
 from dlfleet.master.job.display import Display
 from dlfleet.master.job.jobconfig import JobConfig
-from dlfleet.master.job.platform import (
-    EXIT_NODE_CHECK_FAILED,
-    EXIT_NODE_FAULTY,
-    EXIT_NODE_LOST,
-    EXIT_OUT_OF_MEMORY,
-    EXIT_WORKERS_FAILED,
-    REASON_OOM,
-    Node,
-    NodeState,
-    Platform,
-    describe_exit,
+from dlfleet.master.job.platform import Node, NodeState, Platform, describe_exit
+from dlfleet.master.job.platform.crd import KIND
+from dlfleet.master.job.platform.resource_link import ResourceLink, fields
+from dlfleet.master.job.policy import (
+    ActiveNode,
+    DlworkerFailed,
+    ExitAction,
+    FailJob,
+    Fault,
+    Faulty,
+    Finished,
+    GoOnWithout,
+    IgnoreSuspect,
+    KeepSuspect,
+    LeftAsAsked,
+    Loss,
+    Lost,
+    NodeEnd,
+    Relaunch,
+    ReplaceFresh,
+    Retired,
+    RetireSuspect,
+    ScaleRefused,
+    TrainingFailed,
+    decide_end,
+    decide_exit,
+    decide_suspect,
+    failed_node_check,
+    is_loss,
+    node_state_after,
+    plan_scale,
 )
-from dlfleet.master.job.platform.local import LocalPlatform
-from dlfleet.master.job.supervised import SupervisedMaster
+from dlfleet.master.job.states import JobResult, JobState
 from dlfleet.master.job.tally import SupervisorTally, exit_reason
+from dlfleet.master.job.wiring import PRODUCTION, MasterProcess, MasterStatusClient, Wiring
 
 _log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-FAULTY_AFTER_LOSSES = 3  # a node slot lost this many times is replaced, not relaunched
+LINK_S = 2.0  # how often a DLFleetJob's status is written and its spec read
 MASTER_FILE = "master.json"
 STOP_GRACE_S = 15.0
 MASTER_START_S = 60.0
 EXIT_SEEN_S = 5.0  # from a master's output ending to its exit code
 MAX_MASTER_RESTARTS = 10
-_NO_RETRY = RetryPolicy(attempts=1, max_backoff_s=0.1, total_budget_s=2.0)
 RESULT_FILE = "result.json"
 PREVIOUS_RUN = ".previous"
-
-
-@dataclass(frozen=True)
-class JobResult:
-    code: int  # the process exit code of dlmaster
-    reason: str
 
 
 def token_source(config: JobConfig) -> str:
@@ -138,16 +156,20 @@ def _free_port(host: str) -> int:
 
 
 class JobRunner:
-    def __init__(self, config: JobConfig, display: Display) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        display: Display,
+        wiring: Wiring = PRODUCTION,
+        poll_s: float = POLL_S,
+    ) -> None:
         self.config = config
         self.display = display
-        self.target = config.nodes.start
-        self.relaunches_left = config.max_node_relaunches
-        self.phase = JobPhase.RUNNING
-        self.reason = ""
-        self.result: JobResult | None = None
-        self.master: SupervisedMaster | None = None
-        self.client: MasterClient | None = None
+        self.wiring = wiring
+        self.poll_s = poll_s
+        self.state = JobState(config.nodes.start, config.max_node_relaunches)
+        self.master: MasterProcess | None = None
+        self.client: MasterStatusClient | None = None
         self.view = job_pb2.MasterStatus()  # the master's last answer
         self.master_up = False
         self.control: grpc.aio.Server | None = None
@@ -157,11 +179,13 @@ class JobRunner:
         # The latest node check verdict of each node (by name), as the master
         # gave it: kept here, where a master restart does not forget it.
         self.checks: dict[str, NodeCheckVerdict] = {}
-        # Nodes being retired as network suspects: name -> why (they are stopped
-        # first, then marked faulty when they exit).
-        self.retiring: dict[str, str] = {}
         self._suspects_seen: set[str] = set()
         self._interrupted = asyncio.Event()
+        # The DLFleetJob this run is for (None: run from a job.yaml), when its
+        # status was last written, and the nodes its spec last asked for.
+        self.link: ResourceLink | None = None
+        self._linked_at = float("-inf")
+        self._spec_nodes: int | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -178,13 +202,9 @@ class JobRunner:
         port = config.master.port or _free_port(config.master.host)
         http = config.http
         http_port = (http.port or _free_port(http.host)) if http is not None else 0
-        self.master = SupervisedMaster(
-            config, port=port, token=token, on_line=self.display.line, http_port=http_port
-        )
+        self.master = self.wiring.master(config, port, token, self.display.line, http_port)
         tls_ca = config.tls_ca_file.read_bytes() if config.tls_ca_file else None
-        self.client = MasterClient(
-            self.master.address, token=token, timeout_s=2.0, retry=_NO_RETRY, tls_ca=tls_ca
-        )
+        self.client = self.wiring.client(self.master.address, token, tls_ca)
         try:
             # Local nodes died with the last runner: the nodes in the store are
             # all dead. Pods outlive it, and the new runner adopts them.
@@ -210,14 +230,16 @@ class JobRunner:
                           "log in at %s/login?token=<%s>",
                           config.name, self.master.http_url, self.master.http_url,
                           token_source(config))  # fmt: skip
-            self.platform = self._make_platform(token)
-            self.brain = BrainLink(config, token, self.tally)
+            self.platform = self.wiring.platform(config, self.master, token, self.display.line)
+            self.link = self.wiring.resource(config, self.platform)
+            self.brain = self.wiring.brain(config, token, self.tally)
             await asyncio.to_thread(self.brain.open)
-            self.target = await asyncio.to_thread(self.brain.initial_nodes, self.target)
+            target = await asyncio.to_thread(self.brain.initial_nodes, self.state.target)
+            self.state = self.state.scaled(target)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._interrupted.set)
-            self.platform.start(self.target)
+            self.platform.start(self.state.target)
             await self._supervise()
             return await self._conclude()
         finally:
@@ -225,40 +247,42 @@ class JobRunner:
 
     async def _supervise(self) -> None:
         """Watch the master and the nodes until the job ends."""
-        while self.result is None:
+        while not self.state.ended:
             await self._refresh()
             self._watch_master()
             self._step()
             self._consult_brain()
+            await self._mirror()
             self.display.update(self.status())
-            if self.result is not None:
+            if self.state.ended:
                 break
             try:
-                await asyncio.wait_for(self._interrupted.wait(), POLL_S)
+                await asyncio.wait_for(self._interrupted.wait(), self.poll_s)
                 self._finish(130, "interrupted: stopping the job's nodes")
             except asyncio.TimeoutError:
                 pass
 
     async def _conclude(self) -> JobResult:
-        assert self.result is not None and self.platform is not None
-        self.phase = JobPhase.ended(self.result.code)
-        self.reason = self.result.reason
-        if self.result.code != 130 or not self.platform.outlives_runner:
+        result = self.state.result
+        assert result is not None and self.platform is not None
+        self.state = self.state.conclude()
+        if result.code != 130 or not self.platform.outlives_runner:
             await asyncio.to_thread(self.platform.shutdown, STOP_GRACE_S)
         await self._refresh()
         self.display.update(self.status())
-        if self.result.code != 130:
-            result = {"code": self.result.code, "reason": self.result.reason}
-            (self.config.work_dir / RESULT_FILE).write_text(json.dumps(result))
-        return self.result
+        if result.code != 130:
+            ended = {"code": result.code, "reason": result.reason}
+            (self.config.work_dir / RESULT_FILE).write_text(json.dumps(ended))
+        return result
 
     async def _teardown(self) -> None:
         """Stop what the run started. Nodes that outlive the runner (Pods)
         stay when it was interrupted: its successor adopts them."""
+        result = self.state.result
         if self.brain is not None:
-            code = self.result.code if self.result is not None else None
+            code = result.code if result is not None else None
             await asyncio.to_thread(self.brain.close, None if code == 130 else code)
-        interrupted = self.result is None or self.result.code == 130
+        interrupted = result is None or result.code == 130
         if self.platform is not None and not (interrupted and self.platform.outlives_runner):
             self.platform.shutdown(grace_s=1.0)
         if self.master is not None:
@@ -268,17 +292,6 @@ class JobRunner:
         if self.control is not None:
             await self.control.stop(0)
         (self.config.work_dir / MASTER_FILE).unlink(missing_ok=True)
-
-    def _make_platform(self, token: str) -> Platform[Any]:
-        assert self.master is not None
-        config = self.config
-        if config.platform == "kubernetes":
-            from dlfleet.master.job.platform.kubernetes import KubernetesPlatform
-
-            return KubernetesPlatform(config, master_port=self.master.port, token=token)
-        return LocalPlatform(
-            config, master=self.master.address, token=token, on_line=self.display.line
-        )
 
     async def _refresh(self) -> None:
         """Ask the master how the job stands; while it is down, the last
@@ -296,6 +309,30 @@ class JobRunner:
         self._note_checks()
         self._note_suspects()
 
+    async def _mirror(self) -> None:
+        """Every LINK_S, write the job's figures into its DLFleetJob's status
+        and scale to what its spec.nodes asks for, if that changed."""
+        link, now = self.link, time.monotonic()
+        if link is None or now - self._linked_at < LINK_S:
+            return
+        self._linked_at = now
+        config = self.config
+        status = fields(self.status(), config.nodes.min, config.nodes.maximum)
+        await asyncio.to_thread(link.publish, status)
+        wanted = await asyncio.to_thread(link.wanted_nodes)
+        if wanted is None or wanted == self._spec_nodes:
+            return
+        first, self._spec_nodes = self._spec_nodes is None, wanted
+        if first or wanted == self.state.target:
+            return
+        try:
+            previous = self.scale(wanted)
+            _log.info("%s %s: spec.nodes asks for %d nodes (was %d)", KIND, config.name,
+                      wanted, previous)  # fmt: skip
+        except InvalidArgument as exc:
+            _log.warning("%s %s: spec.nodes asks for %d nodes: %s", KIND, config.name,
+                         wanted, exc)  # fmt: skip
+
     def _note_checks(self) -> None:
         for verdict in self.view.node_checks:
             name = verdict.node_id.rpartition("#")[0]
@@ -310,7 +347,7 @@ class JobRunner:
         (dlfleet.master.core.suspicion) is retired and replaced by a fresh one,
         while relaunches last; without one it stays (a flaky node is better
         than none)."""
-        if self.platform is None or self.result is not None:
+        if self.platform is None or self.state.ended:
             return
         for suspect in self.view.network_suspects:
             if suspect.node_id in self._suspects_seen:
@@ -318,26 +355,32 @@ class JobRunner:
             self._suspects_seen.add(suspect.node_id)
             name = suspect.node_id.rpartition("#")[0]
             running = [n for n in self.platform.active if n.name == name]
-            if not running or running[0].state is not NodeState.RUNNING:
-                continue
-            if self.relaunches_left <= 0:
-                _log.warning(
-                    "%s is suspect (%s), but no relaunch is left to replace it",
-                    name, suspect.reason,
-                )  # fmt: skip
-                continue
-            self.relaunches_left -= 1
-            node, why = running[0], f"network suspect: {suspect.reason}"
-            self.retiring[name] = why
-            self.platform.stop_node(node)
-            if node.state is NodeState.STOPPED:  # it had no process: retired at once
-                del self.retiring[name]
-                node.state, node.detail = NodeState.FAULTY, why
-            fresh = self.platform.add_node()
-            _log.warning(
-                "%s: %s: retiring it, replaced by %s (%d relaunches left)",
-                name, suspect.reason, fresh.name, self.relaunches_left,
-            )  # fmt: skip
+            is_running = bool(running) and running[0].state is NodeState.RUNNING
+            match decide_suspect(suspect.reason, is_running, self.state):
+                case IgnoreSuspect():
+                    continue
+                case KeepSuspect():
+                    _log.warning(
+                        "%s is suspect (%s), but no relaunch is left to replace it",
+                        name, suspect.reason,
+                    )  # fmt: skip
+                case RetireSuspect(why=why, relaunches_left=left):
+                    fresh = self._retire_suspect(running[0], why, left)
+                    _log.warning(
+                        "%s: %s: retiring it, replaced by %s (%d relaunches left)",
+                        name, suspect.reason, fresh.name, left,
+                    )  # fmt: skip
+
+    def _retire_suspect(self, node: Node, why: str, relaunches_left: int) -> Node:
+        """Stop it (marked faulty when it exits); the fresh node in its place."""
+        assert self.platform is not None
+        self.state = self.state.spent(relaunches_left).retire(node.name, why)
+        self.platform.stop_node(node)
+        if node.state is NodeState.STOPPED:  # it had no process: retired at once
+            self.state = self.state.retired(node.name)
+            node.state, node.detail = NodeState.FAULTY, why
+        fresh: Node = self.platform.add_node()
+        return fresh
 
     def _watch_master(self) -> None:
         """A master that died is started again at once, on the same address
@@ -404,28 +447,26 @@ class JobRunner:
         assert self.platform is not None
         for exited in self.platform.poll():
             self._on_exit(exited.node, exited.exit_code, exited.reason)
-            if self.result is not None:
+            if self.state.ended:
                 return
         problem = self.platform.problem()
         if problem is not None:
             self._finish(1, problem)
             return
-        active = self.platform.active
-        if not active:
-            if any(n.state is NodeState.SUCCEEDED for n in self.platform.nodes):
-                self._finish(0, "every node's workers finished")
-            else:
-                self._finish(1, "no node is left and none finished its work")
+        succeeded = any(n.state is NodeState.SUCCEEDED for n in self.platform.nodes)
+        ended = decide_end(len(self.platform.active), succeeded)
+        if ended is not None:
+            self._finish(ended.code, ended.reason)
 
     def _consult_brain(self) -> None:
         """Report what the master sees; carry out a plan that came back (in
         `auto` mode; in `advise` mode it is only shown)."""
         assert self.platform is not None
-        if self.brain is None or self.result is not None:
+        if self.brain is None or self.state.ended:
             return
         self.brain.observe(self.view, self.platform.nodes)
         memory = next((n.memory_bytes for n in self.platform.active if n.memory_bytes), None)
-        plan = self.brain.poll_plan(self.target, memory)
+        plan = self.brain.poll_plan(self.state.target, memory)
         if plan is None:
             return
         if self.brain.mode != "auto":
@@ -451,113 +492,106 @@ class JobRunner:
             self.brain.applied(plan, False, "kept for the next relaunch")
 
     def _on_exit(self, node: Node, code: int, reason: str = "") -> None:
+        """Tell the tally and the brain, ask the policy, and do what it says."""
         assert self.platform is not None
-        how = describe_exit(code, reason)
-        self.tally.node_exit(exit_reason(code, reason, node.state is NodeState.STOPPING))
-        checked = code == EXIT_NODE_CHECK_FAILED and not reason
+        asked_to_leave = node.state is NodeState.STOPPING
+        self.tally.node_exit(exit_reason(code, reason, asked_to_leave))
+        checked = failed_node_check(code, reason)
         check_failure = self._check_failure(node) if checked else ""
-        if self.brain is not None and node.state is not NodeState.STOPPING and code != 0:
-            lost = bool(reason) or code < 0 or code > 128 or code == EXIT_NODE_LOST
+        if self.brain is not None and not asked_to_leave and code != 0:
             if checked:
                 self.brain.node_check_failed(node, check_failure)
             else:
-                self.brain.node_ended(node, code, reason, lost)
-        if node.state is NodeState.STOPPING:
-            self._on_stopped(node, how)
-            return
-        if code == 0 and not reason:
-            node.state = NodeState.SUCCEEDED
-            _log.info("%s finished", node.name)
-            return
-        if code == EXIT_WORKERS_FAILED and not reason:
-            node.state = NodeState.FAILED
-            self._finish(1, self._root_cause(node, how))
-            return
-        if code == EXIT_NODE_FAULTY and not reason:
-            report = self._last_failure(node.name, refresh=True)
-            rule = f" (rule {report.rule})" if report is not None and report.rule else ""
-            self._replace_faulty(node, f"its agent diagnosed a hardware fault{rule}")
-            return
-        if checked:
-            self._replace_faulty(node, check_failure)
-            return
-        if code == EXIT_OUT_OF_MEMORY and not reason:
-            reason = REASON_OOM
-            how = "a worker was killed for memory (its agent's diagnosis)"
-        if reason or code < 0 or code > 128 or code == EXIT_NODE_LOST:
-            # Killed, lost the job, preempted (143), out of memory, evicted,
-            # or its Pod deleted: the node is gone, not its training broken.
-            node.state = NodeState.LOST
-            wanted = len(self.platform.active) < self.target
-            if wanted and self.relaunches_left > 0:
-                self.relaunches_left -= 1
+                self.brain.node_ended(node, code, reason, is_loss(code, reason))
+        end = NodeEnd(node.name, code, reason, asked_to_leave, node.relaunches)
+        others = sum(1 for other in self.platform.active if other is not node)
+        action = decide_exit(
+            end,
+            self.state,
+            active=others,
+            nodes_min=self.config.nodes.min,
+            relaunch_delay_s=self.config.relaunch_delay_s,
+        )
+        node.state = node_state_after(action)
+        self._carry_out(node, action, check_failure)
+
+    def _carry_out(self, node: Node, action: ExitAction, check_failure: str) -> None:
+        """The policy's answer to `node`'s exit, done: the words are the
+        ones users and tests read."""
+        assert self.platform is not None
+        match action:
+            case Finished():
+                _log.info("%s finished", node.name)
+            case LeftAsAsked(how=how):
+                _log.info("%s left as asked (%s)", node.name, how)
+            case Retired(how=how, why=why):
+                self.state = self.state.retired(node.name)
+                node.detail = why
+                _log.warning("%s retired (%s): %s", node.name, how, why)
+            case TrainingFailed(how=how):
+                self._finish(1, self._root_cause(node, how))
+            case DlworkerFailed(how=how):
+                hint = self.platform.log_hint(node)
+                self._finish(1, f"{node.name}: dlworker ended with {how}; {hint}")
+            case Relaunch(lost=lost, delay_s=delay, grow_memory=grow, relaunches_left=left):
+                self.state = self.state.spent(left)
                 self.tally.node_relaunches += 1
-                if node.relaunches + 1 >= FAULTY_AFTER_LOSSES:
-                    # This slot keeps dying: retire it, and replace it with a
-                    # fresh node rather than retry it forever.
-                    node.state = NodeState.FAULTY
-                    fresh = self.platform.add_node(delay_s=self.config.relaunch_delay_s)
-                    _log.warning(
-                        "%s was lost %d times (last: %s): marked faulty, replaced by %s "
-                        "(%d relaunches left)",
-                        node.name, node.relaunches + 1, how, fresh.name, self.relaunches_left,
-                    )  # fmt: skip
-                    return
                 _log.warning(
                     "%s was lost (%s): relaunching it in %.1fs (%d relaunches left)",
-                    node.name, how, self.config.relaunch_delay_s, self.relaunches_left,
+                    node.name, lost.how, delay, left,
                 )  # fmt: skip
-                memory = self._memory_after(node) if reason == REASON_OOM else None
-                self.platform.relaunch(node, self.config.relaunch_delay_s, memory_bytes=memory)
-                return
-            active = len(self.platform.active)
-            if active >= self.config.nodes.min:
+                memory = self._memory_after(node) if grow else None
+                self.platform.relaunch(node, delay, memory_bytes=memory)
+            case ReplaceFresh(loss=Lost() as lost, delay_s=delay, relaunches_left=left):
+                self.state = self.state.spent(left)
+                self.tally.node_relaunches += 1
+                fresh = self.platform.add_node(delay_s=delay)
+                _log.warning(
+                    "%s was lost %d times (last: %s): marked faulty, replaced by %s "
+                    "(%d relaunches left)",
+                    node.name, lost.times, lost.how, fresh.name, left,
+                )  # fmt: skip
+            case ReplaceFresh(loss=Faulty(fault=fault), relaunches_left=left):
+                why = self._fault_words(node, fault, check_failure)
+                self.state = self.state.spent(left)
+                fresh = self.platform.add_node()
+                _log.warning(
+                    "%s: %s: marked faulty, replaced at once by %s (%d relaunches left)",
+                    node.name, why, fresh.name, left,
+                )  # fmt: skip
+            case GoOnWithout(loss=Lost(how=how), active=active):
                 _log.warning("%s was lost (%s); going on with %d nodes", node.name, how, active)
-                return
-            self._finish(
-                1,
-                f"{node.name} was lost ({how}) and no relaunch is left "
-                f"(max_node_relaunches={self.config.max_node_relaunches}); "
-                f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}",
+            case GoOnWithout(loss=Faulty(fault=fault), active=active):
+                why = self._fault_words(node, fault, check_failure)
+                _log.warning(
+                    "%s: %s: marked faulty; going on with %d nodes", node.name, why, active
+                )
+            case FailJob(loss=loss, active=active):
+                self._finish(1, self._too_few(node, loss, active, check_failure))
+
+    def _too_few(self, node: Node, loss: Loss, active: int, check_failure: str) -> str:
+        """Why the job fails when a node is out with no relaunch to replace it."""
+        max_relaunches = self.config.max_node_relaunches
+        remain = f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}"
+        if isinstance(loss, Lost):
+            return (
+                f"{node.name} was lost ({loss.how}) and no relaunch is left "
+                f"(max_node_relaunches={max_relaunches}); {remain}"
             )
-            return
-        node.state = NodeState.FAILED
-        self._finish(1, f"{node.name}: dlworker ended with {how}; {self.platform.log_hint(node)}")
-
-    def _on_stopped(self, node: Node, how: str) -> None:
-        """A node the runner stopped has exited: it left as asked, or it was
-        retired (a network suspect)."""
-        why = self.retiring.pop(node.name, "")
-        if why:
-            node.state, node.detail = NodeState.FAULTY, why
-            _log.warning("%s retired (%s): %s", node.name, how, why)
-            return
-        node.state = NodeState.STOPPED
-        _log.info("%s left as asked (%s)", node.name, how)
-
-    def _replace_faulty(self, node: Node, why: str) -> None:
-        """Retire `node` at once (no relaunch on the same machine) and start a
-        fresh one while relaunches last; else go on without it, or fail."""
-        assert self.platform is not None
-        node.state = NodeState.FAULTY
-        active = len(self.platform.active)
-        if active < self.target and self.relaunches_left > 0:
-            self.relaunches_left -= 1
-            fresh = self.platform.add_node()
-            _log.warning(
-                "%s: %s: marked faulty, replaced at once by %s (%d relaunches left)",
-                node.name, why, fresh.name, self.relaunches_left,
-            )  # fmt: skip
-            return
-        if active >= self.config.nodes.min:
-            _log.warning("%s: %s: marked faulty; going on with %d nodes", node.name, why, active)
-            return
-        self._finish(
-            1,
+        why = self._fault_words(node, loss.fault, check_failure)
+        return (
             f"{node.name}: {why}, and no relaunch is left to replace it "
-            f"(max_node_relaunches={self.config.max_node_relaunches}); "
-            f"{active} nodes remain, fewer than nodes.min={self.config.nodes.min}",
+            f"(max_node_relaunches={max_relaunches}); {remain}"
         )
+
+    def _fault_words(self, node: Node, fault: Fault, check_failure: str) -> str:
+        """Why `node` was marked faulty, in words: the node check's verdict,
+        or the rule its agent's diagnosis named."""
+        if fault is Fault.NODE_CHECK:
+            return check_failure
+        report = self._last_failure(node.name, refresh=True)  # it came before its exit
+        rule = f" (rule {report.rule})" if report is not None and report.rule else ""
+        return f"its agent diagnosed a hardware fault{rule}"
 
     def _check_failure(self, node: Node) -> str:
         """Why `node` failed its node check, in words, with the numbers."""
@@ -581,7 +615,7 @@ class JobRunner:
         if node.memory_bytes is None or self.config.kubernetes is None:
             return None
         policy = self.config.kubernetes.oom
-        planned = self.brain.memory_after_oom(node, self.target) if self.brain else None
+        planned = self.brain.memory_after_oom(node, self.state.target) if self.brain else None
         grown = planned or int(node.memory_bytes * policy.memory_factor)
         grown = min(grown, policy.memory_cap_bytes)
         _log.warning(
@@ -622,28 +656,27 @@ class JobRunner:
         return None
 
     def _finish(self, code: int, reason: str) -> None:
-        if self.result is None:
-            self.result = JobResult(code, reason)
+        self.state = self.state.finish(code, reason)
 
     # ---------------------------------------------------------------- scale
 
     def scale(self, nodes: int) -> int:
         """Set the target number of nodes; returns the previous target."""
         assert self.platform is not None
-        low, high = self.config.nodes.min, self.config.nodes.maximum
-        if not low <= nodes <= high:
-            raise InvalidArgument(f"nodes must lie in {low}..{high} (job.yaml nodes), got {nodes}")
-        if self.result is not None:
-            raise InvalidArgument(f"the job has ended: {self.result.reason}")
-        previous, self.target = self.target, nodes
         active = self.platform.active
-        for _ in range(nodes - len(active)):
+        seen = [ActiveNode(n.name, n.index, n.state is NodeState.STOPPING) for n in active]
+        config = self.config
+        plan = plan_scale(nodes, self.state, seen, config.nodes.min, config.nodes.maximum)
+        if isinstance(plan, ScaleRefused):
+            raise InvalidArgument(plan.message)
+        previous, self.state = self.state.target, self.state.scaled(plan.target)
+        for _ in range(plan.start):
             node = self.platform.add_node()
             _log.info("scale to %d: started %s", nodes, node.name)
-        leaving = [n for n in active if n.state is not NodeState.STOPPING]
-        for node in sorted(leaving, key=lambda n: -n.index)[: max(0, len(leaving) - nodes)]:
-            _log.info("scale to %d: asking %s to leave", nodes, node.name)
-            self.platform.stop_node(node)
+        by_name = {node.name: node for node in active}
+        for name in plan.leave:
+            _log.info("scale to %d: asking %s to leave", nodes, name)
+            self.platform.stop_node(by_name[name])
         return previous
 
     # --------------------------------------------------------------- status
@@ -652,9 +685,9 @@ class JobRunner:
         view = self.view
         status = job_pb2.JobStatus(
             job_name=self.config.name,
-            phase=self.phase.value,
-            target_nodes=self.target,
-            reason=self.reason,
+            phase=self.state.phase.value,
+            target_nodes=self.state.target,
+            reason=self.state.reason,
             eta_seconds=-1,
             round=view.round,
             world_size=view.world_size,
@@ -698,6 +731,8 @@ class JobRunner:
             status.last_failure.CopyFrom(last)
         if view.HasField("checkpoints"):
             status.checkpoints.CopyFrom(view.checkpoints)
+        if view.HasField("goodput"):
+            status.goodput.CopyFrom(view.goodput)
         return status
 
     # ---------------------------------------------------------------- wiring

@@ -6,13 +6,26 @@ shard book serve that round (older rounds' leases are released); a node that
 dies or leaves is dropped from the rendezvous (closing its round) and loses its
 leases and the checkpoint copies it held; a round that closes is pushed to
 its members' sessions (within 0.1 s of a loss), so they re-rendezvous
-instead of waiting in a collective. Everything is persisted before anyone is
-told.
+instead of waiting in a collective.
+
+Each of these is one `Decision` (`service/executor.py`): the events of every
+core it touched, applied as decided, then ONE journal append, and only once
+that is durable the effects: wakes, pushes, the timeline. A node's loss is one
+append of the node forgotten, its leases released, its checkpoint images lost
+and its rendezvous place removed (with the shard book's new round, if one
+formed), so a master that crashes midway has written all of it or none, and
+no survivor is sent to restore from a node whose loss is not yet written.
 
 The survivors of a closed round whose last join left a spare port are joined
 into the next round by the master itself (`Rejoiner`): the round forms as the
 old one closes, and each survivor's push carries its answer, one message per
 survivor instead of a push, a join and an answer.
+
+What interrupts training is also told to the job's goodput ledger
+(`core/goodput.py`, `self.goodput`) as it is delivered: a round closing, a
+member lost or finished, a round formed (and the step a restore takes now,
+from which the ledger counts the steps rolled back), each member's heartbeat
+metrics (`heard_metrics`), and whether the job is short of its minimum of nodes.
 
 A waiting joiner is woken only by what concerns it (its round formed, or it
 was dropped): with thousands waiting, waking all of them on every event
@@ -25,13 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from dlfleet.api.v1 import rendezvous_pb2
-from dlfleet.master.core.events import Event
+from dlfleet.master.core.goodput import Cause
+from dlfleet.master.core.node_events import NodeEvent
 from dlfleet.master.core.rendezvous import (
+    MemberFinished,
     NodeDropped,
     NodeJoined,
     RendezvousEvent,
@@ -39,6 +53,8 @@ from dlfleet.master.core.rendezvous import (
     RoundFormed,
     describe,
 )
+from dlfleet.master.service.executor import Decision, Executor
+from dlfleet.master.service.journal import JournalEvent
 from dlfleet.master.service.metrics import MasterMetrics
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind, Timeline
@@ -74,7 +90,7 @@ class Membership:
         self,
         state: MasterState,
         clock: Callable[[], int],
-        durable: Callable[[Future[int]], asyncio.Future[int]],
+        executor: Executor,
         metrics: MasterMetrics,
         timeline: Timeline,
     ) -> None:
@@ -82,7 +98,7 @@ class Membership:
         self.metrics = metrics
         self.timeline = timeline
         self.clock = clock
-        self._durable = durable
+        self.executor = executor
         # The waiting joiners, by node (a node may have more than one Join in flight).
         self._joiners: dict[str, list[asyncio.Future[None]]] = {}
         # Each node's open session: what is put here goes down its stream
@@ -97,25 +113,44 @@ class Membership:
         self.lost_listeners: list[Callable[[str], Awaitable[None]]] = []
         # Joins the survivors of a closed round into the next one itself.
         self.rejoiner: Rejoiner | None = None
+        self.goodput = state.goodput
+        # The newest committed step when the last round closed (-1: none).
+        self._committed_at_close = -1
 
     async def apply(self, events: list[RendezvousEvent], *, lost: bool = False) -> None:
-        """Persist rendezvous events and carry out what follows from them.
-        `lost`: they follow a node's loss (others lost with it may be noticed
-        in a moment)."""
+        """Carry out what the rendezvous decided: write it, then tell who it
+        concerns. `lost`: the events follow a node's loss (others lost with it
+        may be noticed in a moment)."""
         if not events:
             return
         if all(type(event) is NodeJoined for event in events):
             # A join tells no one anything until its round forms, and the
             # round's event is written after it (the committer keeps the
             # order of submissions): the joiner need not wait for this write.
-            self.state.persist_joins(events)
+            self.executor.record(events)
             self._kick_timer()
             return
-        shard_events: list[Event] = []
+        await self.executor.carry_out(self.rendezvous_decided(events, lost=lost))
+
+    def rendezvous_decided(self, events: list[RendezvousEvent], *, lost: bool) -> Decision:
+        """The rendezvous's events with what the shard book decides of them
+        (a formed round is the round it serves), and their delivery."""
+        if not events:
+            return Decision()
+        decided: list[JournalEvent] = [*events]
         for event in events:
             if isinstance(event, RoundFormed):
-                shard_events += self.state.book.begin_round(event.round)
-        await self._durable(self.state.persist_rendezvous(events, shard_events))
+                decided += self.state.book.begin_round(event.round)
+
+        async def deliver() -> None:
+            await self._deliver(events, lost)
+
+        return Decision(decided, [deliver])
+
+    async def _deliver(self, events: list[RendezvousEvent], lost: bool) -> None:
+        """Once `events` are durable: say so, wake the joiners they concern,
+        and push each closed round to its survivors (joined into the next
+        round by the master where it can)."""
         # The events of the survivors the master joined into the next round,
         # and the pushes telling each survivor (session, closed round,
         # reason, join id).
@@ -148,6 +183,7 @@ class Membership:
                     self._wake(member.node_id)
             elif isinstance(event, NodeDropped):
                 self._wake(event.node_id)
+        self._tell_goodput(events)
         self._kick_timer()
         try:
             rejoiner = self.rejoiner
@@ -175,6 +211,39 @@ class Membership:
                     if answer is not None:
                         push.answer.CopyFrom(answer)
                 queue.put_nowait(rendezvous_pb2.SessionEvent(re_rendezvous=push))
+
+    def _tell_goodput(self, events: list[RendezvousEvent]) -> None:
+        """What of `events` interrupts or resumes training, for the ledger."""
+        ledger, now = self.goodput, self.clock()
+        for event in events:
+            if isinstance(event, RoundClosed):
+                self._committed_at_close = self.state.checkpoints.committed_step()
+                ledger.interrupted(Cause.RE_RENDEZVOUS, Cause.RE_RENDEZVOUS, now)
+            elif isinstance(event, RoundFormed):
+                ledger.round_formed(frozenset(m.node_id for m in event.members))
+                restored = self.state.checkpoints.restorable_step()
+                ledger.restored(restored, self._committed_at_close, now)
+                self._committed_at_close = -1
+            elif isinstance(event, NodeDropped | MemberFinished):
+                ledger.node_gone(event.node_id)
+        self._short_of_nodes(now)
+
+    def heard_metrics(self, node_id: str, metrics: rendezvous_pb2.NodeMetrics, now_ms: int) -> None:
+        """A heartbeat's metrics from a member of the active round, for the
+        ledger: its steps, the step it trained to, and its checkpoint blocking."""
+        trained = metrics.trained_step if metrics.trained_step > 0 else None
+        age_ms = metrics.steps_age_s * 1000
+        self.goodput.stepped(node_id, metrics.steps, metrics.step_time_ms, now_ms, trained, age_ms)
+        self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
+
+    def _short_of_nodes(self, now_ms: int) -> None:
+        """Tell the ledger whether the job waits for nodes: no round, and
+        fewer live nodes than a round needs."""
+        short = (
+            self.state.rendezvous.state.active is None
+            and len(self.state.nodes.nodes) < self.state.settings.rendezvous.min_nodes
+        )
+        self.goodput.waiting_for_nodes(short, now_ms)
 
     def _kick_timer(self) -> None:
         """Wake the timer if the rendezvous's next deadline is now earlier than
@@ -206,27 +275,51 @@ class Membership:
 
     async def node_lost(self, node_id: str, reason: str) -> None:
         """A node died, left, or was replaced by a newer incarnation."""
-        name = node_id.rpartition("#")[0]
-        self.state.seen_from.pop(node_id, None)
-        record = self.state.nodes.nodes.get(name)
-        if record is not None and record.node_id == node_id:
-            self.metrics.node_lost(reason)
-            self.timeline.record(EventKind.NODE_LOST, self.clock(), node_id=node_id, reason=reason)
-            self.state.nodes.forget(name)
-            await self._durable(self.state.persist_node(record, gone=True))
-        await self._durable(self.state.persist(self.state.book.release_node(node_id)))
-        # Before the survivors hear of it: their restore must not be sent to it.
-        await self.images_lost(node_id)
-        await self.apply(self.state.rendezvous.remove(node_id, reason, self.clock()), lost=True)
-        for listener in self.lost_listeners:
-            await listener(node_id)
+        await self.executor.carry_out(self.loss(node_id, reason, self.state.nodes.forget(node_id)))
 
-    async def images_lost(self, node_id: str) -> None:
-        """The node's agent is gone, and the checkpoint images in its memory
-        with it."""
-        await self._durable(
-            self.state.persist_checkpoints(self.state.checkpoints.node_gone(node_id))
-        )
+    def loss(self, node_id: str, reason: str, forgotten: Sequence[NodeEvent]) -> Decision:
+        """What losing `node_id` changes, decided and applied in every core:
+        `forgotten` (the node table's events: empty when the table no longer
+        held it), its leases released, the checkpoint images in its memory
+        lost (in the same append as the rendezvous's events, so that no
+        survivor is told to restore from it), its place in the rendezvous
+        removed (closing its round). Delivered: the loss counted and said,
+        the rendezvous's effects, then the lost listeners."""
+        self.state.seen_from.pop(node_id, None)
+        active = self.state.rendezvous.state.active
+        member = active is not None and active.member(node_id) is not None
+        decided: list[JournalEvent] = [*forgotten]
+        decided += self.state.book.release_node(node_id)
+        decided += self.state.checkpoints.node_gone(node_id)
+        removed = self.state.rendezvous.remove(node_id, reason, self.clock())
+        rendezvous = self.rendezvous_decided(removed, lost=True)
+
+        async def said() -> None:
+            now = self.clock()
+            self.metrics.node_lost(reason)
+            self.timeline.record(EventKind.NODE_LOST, now, node_id=node_id, reason=reason)
+            if member:
+                self.goodput.interrupted(Cause.NODE_REPLACEMENT, Cause.NODE_REPLACEMENT, now)
+            self.goodput.node_gone(node_id)
+            self._short_of_nodes(now)
+
+        async def listeners() -> None:
+            for listener in self.lost_listeners:
+                await listener(node_id)
+
+        lost = Decision(decided, [said] if forgotten else [])
+        return lost.then(rendezvous).then(Decision([], [listeners]))
+
+    async def node_finished(self, node_id: str, reason: str) -> None:
+        """The live node `node_id` leaves with its workers done: forgotten,
+        its images with it, and its place in the active round ended without
+        closing the round (the others may be in their last steps). One
+        append, like a loss."""
+        decided: list[JournalEvent] = [*self.state.nodes.forget(node_id)]
+        decided += self.state.checkpoints.node_gone(node_id)
+        removed = self.state.rendezvous.remove(node_id, reason, self.clock(), close_round=False)
+        finished = Decision(decided).then(self.rendezvous_decided(removed, lost=False))
+        await self.executor.carry_out(finished)
 
     async def run_timer(self) -> None:
         """Form rounds exactly when their last call ends, without polling."""

@@ -10,6 +10,8 @@ Three kinds, to keep the request path cheap:
   lost nodes, worker failures and restarts, finished shards) are counted as
   they happen, through label children cached per label value so that a count
   is one dict look-up and one locked add;
+- the job's goodput ledger (`core/goodput.py`): its ratio, productive
+  seconds and lost seconds by cause, read at scrape time (`GoodputCollector`);
 - what only the job's supervisor sees (the brain's plans, node exits as the
   platform reports them, master restarts) arrives as running totals with its
   status requests (`job_pb2.SupervisorTotals`), and the latest are exported
@@ -42,6 +44,7 @@ from dlfleet.master.core.events import (
     LeaseReleased,
     ShardFailed,
 )
+from dlfleet.master.core.goodput import Cause, Goodput
 from dlfleet.master.service.state import MasterState
 
 NodeMetricsView = Mapping[str, tuple[rendezvous_pb2.NodeMetrics, int]]
@@ -405,6 +408,36 @@ class SupervisorCollector(Collector):
         )
         restarts.add_metric([], totals.master_restarts)
         yield from (plans, exits, relaunches, restarts)
+
+
+class GoodputCollector(Collector):
+    """The job's goodput ledger as it stands (`report`): the ratio and the
+    productive seconds are gauges (a roll-back moves time out of productive);
+    the lost seconds by cause are a counter, which only grows, so that
+    `rate()` and `increase()` over it read as "seconds lost per second"."""
+
+    def __init__(self, report: Callable[[], Goodput]) -> None:
+        self.report = report
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.report()
+        ratio = GaugeMetricFamily(
+            "dlfleet_goodput_ratio",
+            "Share of the wall time since the first training step spent in steps (0 before it)",
+        )
+        ratio.add_metric([], report.ratio)
+        productive = GaugeMetricFamily(
+            "dlfleet_productive_seconds", "Time spent in training steps since the first step"
+        )
+        productive.add_metric([], report.productive_ms / 1000)
+        badput = CounterMetricFamily(
+            "dlfleet_badput_seconds",
+            "Time lost since the first training step, by cause",
+            labels=["cause"],
+        )
+        for cause in Cause:
+            badput.add_metric([cause.value], report.lost_ms[cause] / 1000)
+        yield from (ratio, productive, badput)
 
 
 def _code_name(context: Any, raised: bool) -> str:

@@ -2,6 +2,10 @@
 the agent Session (heartbeats up, re-rendezvous pushes down; a broken session
 is a dead agent), Leave, ReportFailure, and GetState for torchrun's handler.
 
+The job's goodput ledger hears two things here: the steps in each heartbeat
+of a member of the active round, and each failure of the active round (a
+hang is lost to its detection, then to the restart).
+
 Lives in the master service process.
 """
 
@@ -15,16 +19,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dlfleet.api.addresses import peer_host
+from dlfleet.api.diagnosis import FailureFacts, diagnose
 from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
 from dlfleet.api.serving.answers import bounded_details, rpc
 from dlfleet.api.status import status_number, status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
+from dlfleet.master.core.goodput import Cause
 from dlfleet.master.core.reachability import Published, unreachable
 from dlfleet.master.core.rendezvous import RendezvousEvent, Round
+from dlfleet.master.core.restart_loop import leased_in_round
 from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.metrics import failure_reason_label
 from dlfleet.master.service.node_reports import NodeReports
-from dlfleet.master.service.rpc import Clock, Durable
+from dlfleet.master.service.rpc import Clock
 from dlfleet.master.service.state import MasterState
 from dlfleet.master.service.timeline import EventKind
 
@@ -34,12 +41,9 @@ FAILURES_KEPT = 100
 
 
 class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
-    def __init__(
-        self, state: MasterState, clock: Clock, durable: Durable, membership: Membership
-    ) -> None:
+    def __init__(self, state: MasterState, clock: Clock, membership: Membership) -> None:
         self.state = state
         self.clock = clock
-        self.durable = durable
         self.membership = membership
         self.failures: deque[rendezvous_pb2.FailureReport] = deque(maxlen=FAILURES_KEPT)
         # The latest metrics each node's heartbeats carried, and when (ms);
@@ -68,6 +72,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
     ) -> rendezvous_pb2.JoinResponse:
         """Until `node_id` is a member of a formed round: its place in it."""
         self.state.nodes.live(node_id, incarnation)
+        self.state.breaker.check_open()  # a job in a restart loop takes no round
         rdzv = self.state.rendezvous
         await self._refuse_unreachable(node_id, request.host)
         events = rdzv.join(
@@ -195,6 +200,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         if message.HasField("metrics"):
             self.metrics[node_id] = (message.metrics, now)
             self.reports.update(node_id, message.metrics, now)
+            active = self.state.rendezvous.state.active
+            if active is not None and active.member(node_id) is not None:
+                self.membership.heard_metrics(node_id, message.metrics, now)
         if message.restarts_in_place:
             self.state.restarts_in_place = True
         if message.next_bootstrap_port:
@@ -249,6 +257,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         queue = self.membership.sessions.get(node_id)
         if last is None or joins is None or queue is None or not last.next_bootstrap_port:
             return 0, []
+        if self.state.breaker.broken is not None:
+            return 0, []  # its own join is refused with the diagnosis
         rdzv = self.state.rendezvous
         if node_id in rdzv.state.waiting or rdzv.assignment(node_id) is not None:
             # It joined already (its own join closed the round), or is in a
@@ -318,12 +328,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         if reason == "succeeded":
             # Its workers are done: it leaves without disturbing the others,
             # who may still be finishing their last steps.
-            self.state.nodes.forget(record.name)
-            await self.durable.wait(self.state.persist_node(record, gone=True))
-            await self.membership.images_lost(record.node_id)
-            await self.membership.apply(self.state.rendezvous.remove(
-                record.node_id, reason, self.clock(), close_round=False
-            ))  # fmt: skip
+            await self.membership.node_finished(record.node_id, reason)
         else:
             await self.membership.node_lost(record.node_id, reason)
         return rendezvous_pb2.LeaveResponse()
@@ -346,6 +351,13 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             )
         self.failures.append(request)
         self.membership.metrics.worker_failed(request)
+        if request.round:
+            await self._breaker_heard(request, members)
+        current = self.state.rendezvous.state.active
+        if current is None or request.round in (0, current.round):
+            hung = failure_reason_label(request) == "hang"
+            detected = Cause.HANG_DETECTION if hung else Cause.RESTART
+            self.membership.goodput.interrupted(detected, Cause.RESTART, self.clock())
         self.membership.timeline.record(
             EventKind.WORKER_FAILED,
             self.clock(),
@@ -375,6 +387,26 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             request.message.strip().splitlines()[-1] if request.message.strip() else "",
         )
         return rendezvous_pb2.ReportFailureResponse()
+
+    async def _breaker_heard(
+        self, request: rendezvous_pb2.FailureReport, members: dict[str, str]
+    ) -> None:
+        """The restart-loop breaker hears the failure of a round; once it
+        breaks, its diagnosis is the job's last failure (what the job
+        supervisor gives as the root cause)."""
+        state = self.state
+        breaker, table = state.breaker, state.checkpoints
+        events = breaker.failed(
+            request.round,
+            table.committed_in_round(request.round),
+            request.message,
+            leased_in_round(state.book, request.round, members),
+            table.held_below,
+        )
+        await self.membership.executor.commit(events)
+        if events and breaker.broken is not None:
+            _log.error("%s", breaker.broken.describe())
+            self.failures.append(loop_failure(request, breaker.broken.describe()))
 
     @rpc
     async def GetState(
@@ -413,6 +445,19 @@ def join_answer(round_: Round, node_id: str) -> rendezvous_pb2.JoinResponse:
             rendezvous_pb2.SizeRun(size=size, count=count) for size, count in round_.size_runs
         ],
     )
+
+
+def loop_failure(
+    request: rendezvous_pb2.FailureReport, diagnosis: str
+) -> rendezvous_pb2.FailureReport:
+    """The failure that broke a restart loop, as the rule table diagnoses it."""
+    verdict = diagnose(FailureFacts(restart_loop=True))
+    failure = rendezvous_pb2.FailureReport()
+    failure.CopyFrom(request)
+    failure.message = diagnosis
+    failure.rule, failure.category = verdict.rule, verdict.category.value
+    failure.action = verdict.action.value
+    return failure
 
 
 def join_failed(join_id: int, error: DlfleetError) -> rendezvous_pb2.SessionJoined:

@@ -1,10 +1,11 @@
 """The master's gRPC server: a thin adapter from RPCs to `MasterState`.
 
 Every handler runs on one asyncio loop, so the cores need no lock: decode the
-request, let the core decide and apply, hand the events to the group committer,
-and answer only once they are durable. A rejected request raises a DlfleetError
-before any event is applied; it is answered with the status code from
-`dlfleet.api.status` and changes nothing.
+request, let the core decide (and apply), hand the events to the `Executor`
+(one journal append), and answer only once they are durable
+(`service/executor.py`). A rejected request raises a DlfleetError before any
+event is applied; it is answered with the status code from `dlfleet.api.status`
+and changes nothing.
 
 Lives in the master service process. The token check, the request guard and
 the TLS pair are `dlfleet.api.serving`'s, shared with the job supervisor and
@@ -42,14 +43,19 @@ from dlfleet.api.v1 import (
     shards_pb2,
     shards_pb2_grpc,
 )
-from dlfleet.master.core.events import Event
 from dlfleet.master.core.node_range import judge_range, requested_range
 from dlfleet.master.core.shards import RoundConsumer
 from dlfleet.master.service import wire
 from dlfleet.master.service.checkpoint_service import CheckpointsService
+from dlfleet.master.service.executor import Decision, Executor
 from dlfleet.master.service.http_api import HttpEndpoint, HttpSettings
 from dlfleet.master.service.membership import Membership
-from dlfleet.master.service.metrics import MasterMetrics, RpcMetrics, StateCollector
+from dlfleet.master.service.metrics import (
+    GoodputCollector,
+    MasterMetrics,
+    RpcMetrics,
+    StateCollector,
+)
 from dlfleet.master.service.node_check_service import NodeCheckService
 from dlfleet.master.service.rendezvous_service import RendezvousService
 from dlfleet.master.service.rpc import Clock, Durable, system_clock
@@ -72,21 +78,18 @@ SERVICE_NAMES = (
     "dlfleet.api.v1.NodeCheck",
 )
 MAX_PENDING_CALLS = 100_000
+# How often the goodput ledger is written to the journal (when it changed):
+# what a killed master's successor may not know of the last events it heard.
+GOODPUT_WRITE_MS = 2_000
 
 
 class _Handlers:
-    def __init__(
-        self, state: MasterState, clock: Clock, durable: Durable, membership: Membership
-    ) -> None:
+    def __init__(self, state: MasterState, clock: Clock, membership: Membership) -> None:
         self.state = state
         self.clock = clock
-        self.durable = durable
         self.membership = membership
-
-    async def persist(self, events: list[Event]) -> None:
-        waiter = self.durable.waiter()
-        self.state.persist_to(events, self.durable, waiter)
-        await waiter
+        # `await self.commit(events)`: the events written, in one append.
+        self.commit = membership.executor.commit
 
 
 class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
@@ -96,7 +99,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
     ) -> shards_pb2.RegisterDatasetResponse:
         config = wire.config_from_spec(request.spec)
         created, events = self.state.book.register(config)
-        await self.persist(events)
+        await self.commit(events)
         status = wire.status_to_wire(self.state.book.status(config.name))
         return shards_pb2.RegisterDatasetResponse(created=created, status=status)
 
@@ -133,7 +136,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
                 request.dataset, consumer, self.clock(), request.request_id, request.done
             )
             outcomes = [outcome]
-        await self.persist(events)
+        await self.commit(events)
         self.membership.metrics.leased(time.perf_counter() - start, acked=bool(request.done))
         return wire.lease_response(*outcomes)
 
@@ -145,7 +148,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
         deadline, events = self.state.book.renew(
             request.dataset, request.lease_id, request.round, request.consumed, self.clock()
         )
-        await self.persist(events)
+        await self.commit(events)
         self.membership.metrics.renewed(time.perf_counter() - start)
         return shards_pb2.RenewResponse(deadline_unix_ms=deadline)
 
@@ -172,7 +175,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
             )
         else:
             raise InvalidArgument("report names no result: set `done` or `failure`")
-        await self.persist(events)
+        await self.commit(events)
         if which == "done":
             self.membership.metrics.acked(time.perf_counter() - start)
         return shards_pb2.ReportResponse(duplicate=duplicate)
@@ -185,7 +188,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
         snap, events = self.state.book.snapshot(
             request.dataset, request.round, progress, self.clock()
         )
-        await self.persist(events)
+        await self.commit(events)
         return wire.snapshot_to_wire(snap)
 
     @rpc
@@ -194,7 +197,7 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
     ) -> shards_pb2.RestoreResponse:
         snap = wire.snapshot_from_wire(request.snapshot)
         applied, events = self.state.book.restore(snap, request.round, self.clock())
-        await self.persist(events)
+        await self.commit(events)
         return shards_pb2.RestoreResponse(applied=applied)
 
     @rpc
@@ -216,23 +219,32 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
                 f"this master runs job {job!r}"
             )
         nnodes_warning = self._judge_nnodes(request)
-        previous = self.state.nodes.nodes.get(request.node_name)
-        record = self.state.nodes.register(
+        record, events = self.state.nodes.register(
             request.node_name, request.local_world_size, request.host, self.clock()
         )
-        await self.durable.wait(self.state.persist_node(record))
         seen = peer_host(context.peer()) or ""
-        if seen:
-            self.state.seen_from[record.node_id] = seen
-        self.membership.timeline.record(
-            EventKind.NODE_REGISTERED,
-            self.clock(),
-            node_id=record.node_id,
-            host=record.host,
-            local_world_size=record.local_world_size,
-        )
-        if previous is not None:
-            await self.membership.node_lost(previous.node_id, "was replaced by a new incarnation")
+
+        async def registered() -> None:
+            if seen:
+                self.state.seen_from[record.node_id] = seen
+            self.membership.timeline.record(
+                EventKind.NODE_REGISTERED,
+                self.clock(),
+                node_id=record.node_id,
+                host=record.host,
+                local_world_size=record.local_world_size,
+            )
+
+        decision = Decision([*events], [registered])
+        *forgotten, registration = events
+        if forgotten:
+            # The live incarnation it replaces is lost in the same append:
+            # written before the registration (replay forgets it first), said
+            # after it.
+            replaced = forgotten[0].node_id
+            lost = self.membership.loss(replaced, "was replaced by a new incarnation", forgotten)
+            decision = Decision([*lost.events, registration], [registered, *lost.effects])
+        await self.membership.executor.carry_out(decision)
         liveness = self.state.nodes.settings
         return nodes_pb2.RegisterNodeResponse(
             node_id=record.node_id,
@@ -315,6 +327,9 @@ class MasterServer:
         self._ticker: asyncio.Task[None] | None = None
         self.membership: Membership | None = None
         self.rendezvous: RendezvousService | None = None
+        # The goodput ledger as last written, and when.
+        self._goodput_written: dict[str, Any] | None = None
+        self._goodput_written_ms = 0
         self._extra_services = extra_services
         self._tls = tls
         self.metrics = metrics if metrics is not None else MasterMetrics()
@@ -328,7 +343,11 @@ class MasterServer:
         """/api/v1/status: this master's view, with the supervisor's facts."""
         assert self.rendezvous is not None
         now = self.clock()
-        own = job_status(self.state, self.rendezvous.failures, self.rendezvous.reports, now)
+        assert self.membership is not None
+        goodput = self.membership.goodput.report()
+        own = job_status(
+            self.state, self.rendezvous.failures, self.rendezvous.reports, now, goodput
+        )
         return self.supervisor_view.merge(own, now)
 
     async def start(self) -> int:
@@ -336,10 +355,10 @@ class MasterServer:
         and raise a bare RuntimeError)."""
         check_port_free(Endpoint.GRPC, self._host, self._port)
         loop = asyncio.get_running_loop()
-        durable = Durable(loop)
-        membership = Membership(self.state, self.clock, durable.wait, self.metrics, self.timeline)
+        executor = Executor(self.state.journal, Durable(loop))
+        membership = Membership(self.state, self.clock, executor, self.metrics, self.timeline)
         self.state.committer.on_commit = self.metrics.committed
-        self.state.on_events = self.metrics.shard_events
+        self.state.journal.on_events = self.metrics.shard_events
         server = grpc.aio.server(
             interceptors=[
                 RpcMetrics(self.metrics),
@@ -364,14 +383,15 @@ class MasterServer:
             ],
         )
         shards_pb2_grpc.add_ShardsServicer_to_server(
-            ShardsService(self.state, self.clock, durable, membership), server
+            ShardsService(self.state, self.clock, membership), server
         )
         nodes_pb2_grpc.add_NodesServicer_to_server(
-            NodesService(self.state, self.clock, durable, membership), server
+            NodesService(self.state, self.clock, membership), server
         )
-        self.rendezvous = RendezvousService(self.state, self.clock, durable, membership)
+        self.rendezvous = RendezvousService(self.state, self.clock, membership)
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self.rendezvous, server)
         self.metrics.watch(StateCollector(self.state, self.rendezvous.metrics, self.clock))
+        self.metrics.watch(GoodputCollector(membership.goodput.report))
         job_pb2_grpc.add_MasterServicer_to_server(
             MasterStatusService(
                 self.state,
@@ -380,11 +400,12 @@ class MasterServer:
                 self.clock,
                 on_supervisor=self.metrics.supervisor.reported,
                 supervisor_view=self.supervisor_view,
+                goodput=membership.goodput.report,
             ),
             server,
         )
         checkpoint_pb2_grpc.add_CheckpointsServicer_to_server(
-            CheckpointsService(self.state, durable), server
+            CheckpointsService(self.state, executor), server
         )
         node_check = NodeCheckService(self.state, self.clock, membership)
         nodecheck_pb2_grpc.add_NodeCheckServicer_to_server(node_check, server)
@@ -420,7 +441,6 @@ class MasterServer:
             self.http = endpoint
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._durable = durable
         self.membership = membership
         self._ticker = asyncio.create_task(self._tick_forever())
         self._timer = asyncio.create_task(membership.run_timer())
@@ -435,14 +455,28 @@ class MasterServer:
     async def tick(self) -> None:
         """Expire overdue leases and silent nodes, releasing what they held."""
         now = self.clock()
+        membership = self.membership
+        assert membership is not None, "tick before start"
         events = self.state.book.expire(now)
         if events:
-            await self._durable.wait(self.state.persist(events))
-        assert self.membership is not None, "tick before start"
-        for record in self.state.nodes.expire(now):
-            _log.warning("node %s missed its heartbeats: dropping it", record.node_id)
-            await self._durable.wait(self.state.persist_node(record, gone=True))
-            await self.membership.node_lost(record.node_id, "missed its heartbeats")
+            await membership.executor.commit(events)
+        for forgotten in self.state.nodes.expire(now):
+            _log.warning("node %s missed its heartbeats: dropping it", forgotten.node_id)
+            loss = membership.loss(forgotten.node_id, "missed its heartbeats", [forgotten])
+            await membership.executor.carry_out(loss)
+        if now - self._goodput_written_ms >= GOODPUT_WRITE_MS:
+            self._write_goodput(now)
+
+    def _write_goodput(self, now_ms: int) -> None:
+        """Journal the goodput ledger, if it changed since the last write
+        (nothing before the job's first step: there is nothing to keep)."""
+        self._goodput_written_ms = now_ms
+        if self.state.goodput.opened_ms is None:
+            return
+        ledger = self.state.goodput.to_dict()
+        if ledger != self._goodput_written:
+            self.state.journal.record_goodput(ledger)
+            self._goodput_written = ledger
 
     async def wait(self) -> None:
         assert self._server is not None
@@ -455,6 +489,7 @@ class MasterServer:
             self._ticker.cancel()
             self._timer.cancel()
             self._check_timer.cancel()
+            self._write_goodput(self.clock())
         if self.http is not None:
             await self.http.stop()
         if self._server is not None:

@@ -1,13 +1,12 @@
-"""The master's state: the pure cores plus their durable journal.
+"""The master's state: the pure cores, the journal that keeps them, and their
+recovery.
 
-`MasterState` owns the shard book and the node table, persists the events every
-operation returns through a group committer, and rebuilds both from the store
-when a master starts again. Journal streams: "dataset/<name>" holds shard
-events and, every `compact_every` events, a full checkpoint of the dataset (the
-store then drops the entries before it); "nodes" holds registrations;
-"rendezvous" holds joins and rounds; "checkpoints" holds the in-memory
-checkpoint table's events and, every `checkpoints_compact_every` events, a full
-snapshot of that table (so the stream stays short however long the job runs).
+`MasterState` owns the shard book, the node table, the rendezvous, the
+checkpoint table and the restart-loop breaker, and the `Journal` every
+decision of theirs is written to (`service/journal.py`: its streams,
+compaction, and the ways to wait for a write). What reaches the journal from
+the RPCs goes through the `Executor` (`service/executor.py`); this module
+rebuilds the cores from the store when a master starts again.
 
 The "job" stream holds the job's identity (`core.job_identity`): a master
 continues the job a store holds only when told to resume it, and only the
@@ -20,7 +19,8 @@ and checkpoint copies on nodes the node table no longer holds are dropped (a
 node forgotten just before a crash, before its copies' loss was written).
 But no node is counted in a round before it is heard from: the nodes that
 were waiting for a round must join again, and nodes the node table no longer
-holds leave the rendezvous (`Rendezvous.restarted`).
+holds leave the rendezvous (`Rendezvous.restarted`). What that changes is one
+journal append, written before the master serves anyone.
 
 Lives in the master service process.
 """
@@ -30,34 +30,40 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from dlfleet.master.core.checkpoint_events import CheckpointEvent
 from dlfleet.master.core.checkpoints import CheckpointSettings, CheckpointTable
-from dlfleet.master.core.codec import dump_dataset, load_dataset
+from dlfleet.master.core.codec import load_dataset
 from dlfleet.master.core.events import EVENT_TYPES, Event
+from dlfleet.master.core.goodput import GoodputLedger
 from dlfleet.master.core.job_identity import JobId, JobIdentity, claim_store
-from dlfleet.master.core.liveness import LivenessSettings, NodeRecord, NodeTable
+from dlfleet.master.core.liveness import LivenessSettings, NodeTable
 from dlfleet.master.core.node_check import NodeCheckBoard, NodeCheckSettings
+from dlfleet.master.core.node_events import NODE_EVENTS, NodeEvent
 from dlfleet.master.core.rendezvous import Rendezvous, RendezvousEvent, RendezvousSettings
+from dlfleet.master.core.restart_loop import BreakerEvent, BreakerSettings, RestartLoopBreaker
 from dlfleet.master.core.shards import ShardBook, ShardSettings
 from dlfleet.master.core.suspicion import SUSPECT_AFTER_ROUNDS, NetworkSuspicion
+from dlfleet.master.service.journal import (
+    BREAKER,
+    CHECKPOINT,
+    CHECKPOINT_TABLE,
+    CHECKPOINTS_STREAM,
+    GOODPUT,
+    GOODPUT_STREAM,
+    JOB_STREAM,
+    NODES_STREAM,
+    RENDEZVOUS_STREAM,
+    RESTART_LOOP_STREAM,
+    Journal,
+    JournalEvent,
+)
 from dlfleet.master.store.base import StateStore, StoreError, StreamState
-from dlfleet.master.store.groupcommit import CommitSink, GroupCommitter
+from dlfleet.master.store.groupcommit import GroupCommitter
 
 _log = logging.getLogger(__name__)
-
-JOB_STREAM = "job"
-NODES_STREAM = "nodes"
-RENDEZVOUS_STREAM = "rendezvous"
-DATASET_PREFIX = "dataset/"
-CHECKPOINT = "DatasetCheckpoint"
-CHECKPOINTS_STREAM = "checkpoints"
-CHECKPOINT_TABLE = "CheckpointTable"  # a full snapshot of the checkpoint table
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class MasterSettings:
     shard: ShardSettings = field(default_factory=ShardSettings)
     liveness: LivenessSettings = field(default_factory=LivenessSettings)
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
+    # The entries a dataset's journal stream holds before it is checkpointed.
     compact_every: int = 20_000
     checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
     # A checkpoint report event holds a node's copies of one step (a few
@@ -75,6 +82,9 @@ class MasterSettings:
     # Closed rounds whose network failures must blame a node before it is a
     # suspect (dlfleet.master.core.suspicion).
     network_suspect_rounds: int = SUSPECT_AFTER_ROUNDS
+    # When failing again at the same step after every restore steps the job
+    # down to an older step (dlfleet.master.core.restart_loop).
+    restart_loop: BreakerSettings = field(default_factory=BreakerSettings)
 
 
 class MasterState:
@@ -84,6 +94,7 @@ class MasterState:
         self.nodes = NodeTable(settings.liveness)
         self.rendezvous = Rendezvous(settings.rendezvous)
         self.checkpoints = CheckpointTable(settings.checkpoints)
+        self.breaker = RestartLoopBreaker(settings.restart_loop)
         # The job's workers restart in place (a node's heartbeat said so); told to
         # nodes as they register, so they start their workers warm. Not
         # journaled: after a master restart the next heartbeat says it again.
@@ -97,13 +108,21 @@ class MasterState:
         # Which node the network failures point at: in memory only (after a
         # master restart, the counting starts over).
         self.suspicion = NetworkSuspicion(settings.network_suspect_rounds)
+        # The job's goodput ledger: written whole to the journal every few
+        # seconds (`Journal.record_goodput`), so a restarted master goes on
+        # from the last write instead of opening a new window.
+        self.goodput = GoodputLedger()
         self._store = store
         # The job the store holds, once `recover` took it.
         self.identity: JobIdentity | None = None
-        self._committer = GroupCommitter(store)
-        self._since_checkpoint: Counter[str] = Counter()
-        # Shown every shard event as it is persisted (the metrics count them).
-        self.on_events: Callable[[Sequence[Event]], None] | None = None
+        self.journal = Journal(
+            store,
+            self.book,
+            self.checkpoints,
+            compact_every=settings.compact_every,
+            checkpoints_compact_every=settings.checkpoints_compact_every,
+        )
+        self.journal.breaker = self.breaker
 
     # ------------------------------------------------------------ recovery
 
@@ -124,16 +143,13 @@ class MasterState:
             raise
         for record in state.nodes.nodes.values():
             record.last_seen_ms = now_ms
-        rearmed = state.book.rearm(now_ms)
-        if rearmed:
-            state.persist(rearmed).result()
         live = [record.node_id for record in state.nodes.nodes.values()]
-        lost = state.checkpoints.nodes_gone_except(live)
-        if lost:
-            state.persist_checkpoints(lost).result()
-        restarted = state.rendezvous.restarted(live, now_ms)
-        if restarted:
-            state.persist_rendezvous(restarted).result()
+        restart: list[JournalEvent] = []
+        restart += state.book.rearm(now_ms)
+        restart += state.checkpoints.nodes_gone_except(live)
+        restart += state.rendezvous.restarted(live, now_ms)
+        if restart:
+            state.journal.append(restart).result()
         state.identity = identity
         return state
 
@@ -147,7 +163,7 @@ class MasterState:
             payloads += [entry.payload for entry in stored.entries]
             for payload in payloads:
                 self._replay(stream, json.loads(payload))
-            self._since_checkpoint[stream] = len(stored.entries)
+            self.journal.replayed(stream, len(stored.entries))
         contents = self._contents() if streams else ""
         claim = claim_store(
             held,
@@ -159,7 +175,7 @@ class MasterState:
             now_ms=now_ms,
         )
         if claim.write:
-            self._committer.submit([(JOB_STREAM, claim.identity.to_json())]).result()
+            self.journal.record_identity(claim.identity).result()
         if claim.resumed:
             _log.info("resuming %s from %s", claim.identity.describe(contents), self._store.url)
         else:
@@ -188,15 +204,24 @@ class MasterState:
             else:
                 self.checkpoints.apply(CheckpointEvent.from_json(json.dumps(data)))
             return
+        if stream == RESTART_LOOP_STREAM:
+            if kind == BREAKER:
+                self.breaker.install(data["state"])
+            else:
+                self.breaker.apply(BreakerEvent.from_json(json.dumps(data)))
+            return
+        if stream == GOODPUT_STREAM:
+            if kind != GOODPUT:
+                raise StoreError(f"unknown journal entry {kind!r} in stream {stream!r}")
+            try:
+                self.goodput = GoodputLedger.from_dict(data["state"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StoreError(f"the goodput ledger in the journal is unreadable: {exc}") from exc
+            return
         if stream == NODES_STREAM:
-            if kind == "node":
-                self.nodes.restore(
-                    data["name"], data["incarnation"], data["local_world_size"], data["host"], 0
-                )
-            elif kind == "node_gone":
-                record = self.nodes.nodes.get(data["name"])
-                if record is not None and record.incarnation == data["incarnation"]:
-                    self.nodes.forget(data["name"])
+            if kind not in NODE_EVENTS:
+                raise StoreError(f"unknown journal entry {kind!r} in stream {stream!r}")
+            self.nodes.apply(NodeEvent.from_json(json.dumps(data)))
             return
         if kind == CHECKPOINT:
             self.book.install(load_dataset(data["state"]))
@@ -205,120 +230,10 @@ class MasterState:
         else:
             raise StoreError(f"unknown journal entry {kind!r} in stream {stream!r}")
 
-    # ------------------------------------------------------------ persistence
-
-    def persist(self, events: Sequence[Event]) -> Future[int]:
-        """Queue `events` (already applied) for a durable write. An empty list
-        still waits for everything queued before it: an answer read from state
-        that is not yet durable must not leave before that state is."""
-        entries = self._journal_entries(events)
-        future = self._committer.submit(entries)
-        self._checkpoint_due(entries)
-        return future
-
-    def persist_to(self, events: Sequence[Event], sink: CommitSink, token: object) -> None:
-        """`persist`, with the outcome told to `sink` (`GroupCommitter.submit_to`)."""
-        entries = self._journal_entries(events)
-        self._committer.submit_to(entries, sink, token)
-        self._checkpoint_due(entries)
-
-    def _journal_entries(self, events: Sequence[Event]) -> list[tuple[str, str]]:
-        if self.on_events is not None:
-            self.on_events(events)
-        entries: list[tuple[str, str]] = []
-        for event in events:
-            stream = DATASET_PREFIX + event.dataset
-            entries.append((stream, event.to_json()))
-            self._since_checkpoint[stream] += 1
-        return entries
-
-    def _checkpoint_due(self, entries: list[tuple[str, str]]) -> None:
-        for stream, payload in self._due_checkpoints(entries):
-            # Its own submission, so that the future's seq is the checkpoint's.
-            self._committer.submit([(stream, payload)]).add_done_callback(
-                self._compactor(stream, payload)
-            )
-
-    def persist_rendezvous(
-        self, events: Sequence[RendezvousEvent], shard_events: Sequence[Event] = ()
-    ) -> Future[int]:
-        """Rendezvous events and the shard events they caused, in one write."""
-        if self.on_events is not None:
-            self.on_events(shard_events)
-        entries = [(RENDEZVOUS_STREAM, e.to_json()) for e in events]
-        for event in shard_events:
-            stream = DATASET_PREFIX + event.dataset
-            entries.append((stream, event.to_json()))
-            self._since_checkpoint[stream] += 1
-        return self._committer.submit(entries)
-
-    def persist_joins(self, events: Sequence[RendezvousEvent]) -> None:
-        """Rendezvous events nobody waits for (joins: see `Membership.apply`)."""
-        self._committer.submit_detached([(RENDEZVOUS_STREAM, e.to_json()) for e in events])
-
-    def persist_checkpoints(self, events: Sequence[CheckpointEvent]) -> Future[int]:
-        """Like `persist`, for the checkpoint table's events (already applied):
-        an empty list still waits for everything queued before it."""
-        stream = CHECKPOINTS_STREAM
-        future = self._committer.submit([(stream, event.to_json()) for event in events])
-        self._since_checkpoint[stream] += len(events)
-        if self._since_checkpoint[stream] >= self.settings.checkpoints_compact_every:
-            self._since_checkpoint[stream] = 0
-            payload = json.dumps(
-                {"t": CHECKPOINT_TABLE, "state": self.checkpoints.to_dict()},
-                separators=(",", ":"),
-            )
-            self._committer.submit([(stream, payload)]).add_done_callback(
-                self._compactor(stream, payload)
-            )
-        return future
-
-    def persist_node(self, record: NodeRecord, gone: bool = False) -> Future[int]:
-        data = {
-            "t": "node_gone" if gone else "node",
-            "name": record.name,
-            "incarnation": record.incarnation,
-            "local_world_size": record.local_world_size,
-            "host": record.host,
-        }
-        return self._committer.submit([(NODES_STREAM, json.dumps(data))])
-
-    def _due_checkpoints(self, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """A full checkpoint entry for each stream of `entries` that is due one."""
-        due: list[tuple[str, str]] = []
-        for stream in {stream for stream, _ in entries}:
-            if self._since_checkpoint[stream] < self.settings.compact_every:
-                continue
-            name = stream.removeprefix(DATASET_PREFIX)
-            payload = json.dumps(
-                {"t": CHECKPOINT, "state": dump_dataset(self.book.datasets[name])},
-                separators=(",", ":"),
-            )
-            due.append((stream, payload))
-            self._since_checkpoint[stream] = 0
-        return due
-
-    def _compactor(self, stream: str, payload: str) -> Callable[[Future[int]], None]:
-        """Runs on the writer thread once the checkpoint entry is durable (the
-        last entry of its submission): move it to the checkpoint table and drop
-        the stream's older entries."""
-
-        def compact(future: Future[int]) -> None:
-            if future.exception() is not None:
-                return
-            try:
-                self._store.checkpoint(stream, payload, future.result())
-            except StoreError as exc:
-                # Harmless: the checkpoint entry stays in the journal and the
-                # next compaction tries again.
-                _log.warning("compacting %s failed: %s", stream, exc)
-
-        return compact
-
     @property
     def committer(self) -> GroupCommitter:
-        return self._committer
+        return self.journal.committer
 
     def close(self) -> None:
-        self._committer.close()
+        self.journal.close()
         self._store.close()

@@ -1,6 +1,7 @@
 """The `Master` status service: what this master knows about the job (the
 active round, each dataset's progress over all epochs, the latest worker
-failures, the in-memory checkpoints, the node check verdicts), for the job's
+failures, the in-memory checkpoints, the node check verdicts, the goodput
+ledger), for the job's
 supervisor and its display. The supervisor's requests carry what only it
 sees (its running totals: brain plans, node exits, master restarts, handed to
 `on_supervisor` for /metrics; and its own status of the job, merged into
@@ -15,9 +16,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dlfleet.api.job_phase import JobPhase
+from dlfleet.api.node_state import NodeState
 from dlfleet.api.serving.answers import rpc
 from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
+from dlfleet.master.core.goodput import Cause, Goodput
 from dlfleet.master.service import wire
 from dlfleet.master.service.node_reports import NodeReports
 from dlfleet.master.service.state import MasterState
@@ -28,13 +31,31 @@ from dlfleet.master.service.timeline import EventKind, Timeline
 SUPERVISOR_FRESH_MS = 5_000
 
 
+def goodput_to_wire(report: Goodput) -> job_pb2.Goodput:
+    return job_pb2.Goodput(
+        ratio=report.ratio,
+        window_seconds=report.window_ms / 1000,
+        productive_seconds=report.productive_ms / 1000,
+        badput=[
+            job_pb2.Badput(cause=cause.value, seconds=report.lost_ms[cause] / 1000)
+            for cause in Cause
+        ],
+        opened_unix_ms=report.opened_ms or 0,
+        as_of_unix_ms=report.as_of_ms,
+        phase=report.phase.value if report.phase is not None else "",
+    )
+
+
 def master_status(
     state: MasterState,
     failures: Iterable[rendezvous_pb2.FailureReport],
     reports: NodeReports | None = None,
     now_ms: int = 0,
+    goodput: Goodput | None = None,
 ) -> job_pb2.MasterStatus:
     status = job_pb2.MasterStatus(nodes_live=len(state.nodes.nodes), now_unix_ms=now_ms)
+    if goodput is not None:
+        status.goodput.CopyFrom(goodput_to_wire(goodput))
     active = state.rendezvous.state.active
     if active is not None:
         status.round = active.round
@@ -86,12 +107,13 @@ def job_status(
     failures: Iterable[rendezvous_pb2.FailureReport],
     reports: NodeReports | None,
     now_ms: int,
+    goodput: Goodput | None = None,
 ) -> job_pb2.JobStatus:
     """The job's status as this master alone knows it: the document of
     `dlmaster status --json`, less what only the job's supervisor knows
     (target nodes, processes, relaunches, the brain's plan: zero), plus the
     ranks each node holds in the active round."""
-    view = master_status(state, failures, reports, now_ms)
+    view = master_status(state, failures, reports, now_ms, goodput)
     status = job_pb2.JobStatus(
         job_name=state.settings.job_name,
         phase=JobPhase.RUNNING.value,
@@ -107,7 +129,7 @@ def job_status(
     for record in sorted(state.nodes.nodes.values(), key=lambda r: r.name):
         entry = job_pb2.NodeStatus(
             name=record.name,
-            state="running",
+            state=NodeState.RUNNING.value,
             node_id=record.node_id,
             ranks=ranks.get(record.node_id, ()),
         )
@@ -121,6 +143,8 @@ def job_status(
     if view.failures:
         status.last_failure.CopyFrom(view.failures[-1])
     status.checkpoints.CopyFrom(view.checkpoints)
+    if view.HasField("goodput"):
+        status.goodput.CopyFrom(view.goodput)
     return status
 
 
@@ -148,7 +172,7 @@ class SupervisorView:
             self.timeline.record(EventKind.BRAIN_PLAN, now_ms, plan=status.last_plan[:500])
         self._plan = status.last_plan
         for node in status.nodes:
-            if node.state == "faulty" and node.name not in self._retired:
+            if node.state == NodeState.FAULTY.value and node.name not in self._retired:
                 self._retired.add(node.name)
                 self.timeline.record(
                     EventKind.NODE_RETIRED, now_ms, node=node.name, detail=node.detail[:500]
@@ -190,8 +214,10 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
         clock: Callable[[], int],
         on_supervisor: Callable[[job_pb2.SupervisorTotals], None] | None = None,
         supervisor_view: SupervisorView | None = None,
+        goodput: Callable[[], Goodput] | None = None,
     ) -> None:
         self.state = state
+        self.goodput = goodput
         self.failures = failures
         self.reports = reports
         self.clock = clock
@@ -206,4 +232,5 @@ class MasterStatusService(job_pb2_grpc.MasterServicer):
             self.on_supervisor(request.supervisor)
         if self.supervisor_view is not None and request.HasField("job"):
             self.supervisor_view.heard(request.job, self.clock())
-        return master_status(self.state, self.failures, self.reports, self.clock())
+        goodput = self.goodput() if self.goodput is not None else None
+        return master_status(self.state, self.failures, self.reports, self.clock(), goodput)

@@ -12,22 +12,13 @@ Lives in the job supervisor process (`dlmaster --job-config`).
 from __future__ import annotations
 
 import abc
-import enum
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-
-class NodeState(enum.Enum):
-    STARTING = "starting"  # launched (a Pod pending) or waiting out its relaunch delay
-    RUNNING = "running"
-    STOPPING = "stopping"  # asked to leave (scale down or job end)
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # its training failed beyond its restarts
-    LOST = "lost"  # it died or lost the job; may be replaced
-    STOPPED = "stopped"  # left when asked
-    FAULTY = "faulty"  # lost too often: retired and replaced
+# Re-exported: the platforms, the runner and their tests name it from here.
+from dlfleet.api.node_state import NodeState as NodeState
 
 
 @dataclass
@@ -59,7 +50,7 @@ REASON_OOM = "OOMKilled"
 REASON_EVICTED = "Evicted"
 REASON_DELETED = "Deleted"  # its Pod went away without our asking (preemption)
 
-# dlworker's exit codes (dlfleet.worker.agent.loop).
+# dlworker's exit codes (dlfleet.worker.agent.phases).
 EXIT_WORKERS_FAILED = 1  # its training failed beyond its restarts
 EXIT_NODE_LOST = 3  # it lost the job: master unreachable, dropped, rendezvous timed out
 EXIT_NODE_FAULTY = 4  # its agent diagnosed a hardware fault: replace the node

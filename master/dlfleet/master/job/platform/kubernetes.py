@@ -110,7 +110,15 @@ def api_client(config: KubernetesConfig, base_dir: Path) -> Any:
         path = (
             config.kubeconfig if config.kubeconfig.is_absolute() else base_dir / config.kubeconfig
         )
-        return k8s_config.new_client_from_config(config_file=str(path))
+        return connect(str(path))
+    return connect(None)
+
+
+def connect(kubeconfig: str | None) -> Any:
+    """A client from `kubeconfig`, else in-cluster, else the default
+    kubeconfig ($KUBECONFIG, ~/.kube/config)."""
+    if kubeconfig is not None:
+        return k8s_config.new_client_from_config(config_file=kubeconfig)
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         configuration = k8s.Configuration()
         k8s_config.load_incluster_config(client_configuration=configuration)
@@ -570,6 +578,8 @@ class KubernetesPlatform(Platform[KubeNode]):
             spec["tolerations"] = copy.deepcopy(kube.tolerations)
         if kube.priority_class:
             spec["priorityClassName"] = kube.priority_class
+        if kube.scheduler_name:
+            spec["schedulerName"] = kube.scheduler_name
         if kube.service_account:
             spec["serviceAccountName"] = kube.service_account
         if kube.image_pull_secrets:

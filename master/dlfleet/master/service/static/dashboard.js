@@ -16,6 +16,7 @@ const state = {
   nodes: new Map(), // name -> {card, history, doc, lostAt}
   datasets: new Map(), // name -> {row, history}
   jobRate: [], // [{t, v}] samples/s of the whole job
+  goodputPhases: [], // [{t, cause}] what the job spent each poll on ("productive" or a cause)
   events: [],
   lastSeq: 0,
   lastOk: 0,
@@ -135,17 +136,27 @@ function svg(tag, attrs) {
   return el;
 }
 
+/** A chart's svg at the container's own size, and the time axis every chart
+ * shares: from `start` (the window's left edge, or when the page opened) over
+ * `span` ms to `now`. Null while the container is not laid out. */
+function chartFrame(container, now) {
+  const width = container.clientWidth;
+  const height = container.clientHeight;
+  if (width === 0 || height === 0) return null;
+  const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
+  const start = Math.max(now - CHART_WINDOW_MS, state.openedAt);
+  const span = Math.max(now - start, 10000);
+  return { width, height, root, start, span };
+}
+
 /** A sparkline of `points` ({t, v}) over the last CHART_WINDOW_MS (or since
  * the page opened), drawn in the container's own pixels so that the line stays
  * crisp. Every chart has the same time axis. `marks` ({t, kind}) are events
  * drawn as vertical lines: failures, closed rounds. */
 function sparkline(container, points, now, unit, marks = []) {
-  const width = container.clientWidth;
-  const height = container.clientHeight;
-  if (width === 0 || height === 0) return;
-  const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
-  const start = Math.max(now - CHART_WINDOW_MS, state.openedAt);
-  const span = Math.max(now - start, 10000);
+  const frame = chartFrame(container, now);
+  if (frame === null) return;
+  const { width, height, root, start, span } = frame;
   const shown = points.filter((p) => p.t >= start && p.v !== null);
   if (shown.length === 0) {
     const label = svg("text", { x: 0, y: height - 4, class: "nodata" });
@@ -534,6 +545,90 @@ function renderCheckpoints(doc) {
   box.replaceChildren(h("dl", { class: "kv" }, items));
 }
 
+// ------------------------------------------------------------------ goodput
+
+// The ledger's parts in the order they are drawn: training first, then the
+// causes of lost time (their CSS classes color the bar, the strip, the legend).
+const GOODPUT_PARTS = [
+  ["productive", "training"],
+  ["restart", "restart"],
+  ["hang_detection", "hang detection"],
+  ["node_replacement", "node replacement"],
+  ["re_rendezvous", "re-rendezvous"],
+  ["waiting_for_nodes", "waiting for nodes"],
+  ["checkpoint", "checkpoint"],
+  ["rolled_back", "rolled back"],
+  ["other", "other"],
+];
+
+function fmtSeconds(seconds) {
+  return seconds < 60 ? `${seconds.toFixed(1)}s` : fmtDuration(seconds);
+}
+
+/** The window as one bar, each part as wide as its share of the time. */
+function goodputBar(container, parts, total) {
+  const width = container.clientWidth;
+  const height = container.clientHeight;
+  if (width === 0 || height === 0) return;
+  const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
+  let x = 0;
+  for (const [cause, label, seconds] of parts) {
+    const w = (seconds / total) * width;
+    const rect = svg("rect", { x: x.toFixed(2), y: 0, width: w.toFixed(2), height, class: `part cause-${cause}` });
+    rect.dataset.cause = cause;
+    const title = svg("title", {});
+    title.textContent = `${label}: ${fmtSeconds(seconds)} (${((100 * seconds) / total).toFixed(1)}%)`;
+    rect.append(title);
+    root.append(rect);
+    x += w;
+  }
+  container.replaceChildren(root);
+}
+
+/** What the job spent each poll on, over the charts' time axis. */
+function goodputStrip(container, phases, now) {
+  const frame = chartFrame(container, now);
+  if (frame === null) return;
+  const { width, height, root, start, span } = frame;
+  const x = (t) => ((t - (now - span)) / span) * width;
+  for (let i = 0; i + 1 < phases.length; i += 1) {
+    const [from, to] = [phases[i], phases[i + 1]];
+    if (to.t < start || to.t - from.t > GAP_MS) continue;
+    const left = x(Math.max(from.t, start));
+    root.append(svg("rect", { x: left.toFixed(2), y: 0, width: (x(to.t) - left).toFixed(2), height, class: `part cause-${to.cause}` }));
+  }
+  container.replaceChildren(root);
+}
+
+function renderGoodput(doc, now) {
+  const g = doc.goodput;
+  const total = g ? num(g.window_seconds) : 0;
+  if (!g || total <= 0) return;
+  const seconds = { productive: num(g.productive_seconds) };
+  for (const lost of g.badput || []) seconds[lost.cause] = num(lost.seconds);
+  // Parts under a twentieth of a second would show as "0.0s".
+  const parts = GOODPUT_PARTS.filter(([cause]) => seconds[cause] >= 0.05).map(([cause, label]) => [cause, label, seconds[cause]]);
+  state.goodputPhases.push({ t: now, cause: g.phase || "productive" });
+  prune(state.goodputPhases, now, HISTORY_MS);
+  const box = $("goodput-bar").closest(".goodput");
+  box.dataset.ratio = String(num(g.ratio));
+  box.dataset.phase = g.phase || "productive";
+  setText($("goodput-ratio"), `${(100 * num(g.ratio)).toFixed(1)}%`);
+  const lost = total - seconds.productive;
+  setText($("goodput-sub"), `of ${fmtSeconds(total)} since the first step went into training steps; ${fmtSeconds(lost)} lost`);
+  goodputBar($("goodput-bar"), parts, total);
+  goodputStrip($("goodput-strip"), state.goodputPhases, now);
+  const key = JSON.stringify(parts.map(([cause, , s]) => [cause, s.toFixed(1)]));
+  const legend = $("goodput-legend");
+  if (legend.dataset.key === key) return;
+  legend.dataset.key = key;
+  legend.replaceChildren(
+    ...parts.map(([cause, label, s]) =>
+      h("li", { "data-cause": cause }, h("span", { class: `swatch cause-${cause}` }), `${label} `, h("b", {}, fmtSeconds(s))),
+    ),
+  );
+}
+
 // ------------------------------------------------------------------ timeline
 
 function describe(e) {
@@ -670,6 +765,7 @@ function render(doc, fresh, reset, now) {
   renderFailure(doc, now);
   renderPlan(doc);
   renderCheckpoints(doc);
+  renderGoodput(doc, now);
   const progress = (doc.datasets || []).map((d) => num(d.records_done) / Math.max(1, num(d.records_total)));
   const pct = progress.length ? ` · ${Math.round((100 * progress.reduce((a, b) => a + b, 0)) / progress.length)}%` : "";
   document.title = `${doc.job_name || "job"} · ${doc.phase || "?"}${pct} — dlfleet`;

@@ -1,0 +1,92 @@
+"""A job run for a DLFleetJob keeps that resource told: the supervisor
+(`JobRunner`) writes the live figures into its status, and follows a change
+of its `spec.nodes`.
+
+The controller (`operator_loop.py`) sets `$DLFLEET_RESOURCE` to the
+resource's name in the master Pod. Every `every_s` the runner hands `publish`
+its status; the fields the master owns are patched (phase Running or
+Restarting, nodes ready/min/max, readyNodes, round, recordsDone, goodput),
+only when they changed. `wanted_nodes` reads the spec back: the number of
+nodes it asks for now (`nodes.initial`, else `nodes.min`), which the runner
+scales to when it differs from the last one it saw.
+
+`fields` is pure (a JobStatus in, the status fields out); the link itself
+is a thin adapter around the CustomObjectsApi (the kubernetes package is
+imported only when a link is made: the runner imports this module on every
+platform). Lives in the job supervisor
+process (`dlmaster --job-config`), on the kubernetes platform only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from dlfleet.api.v1 import job_pb2
+from dlfleet.master.job.platform import NodeState, crd
+
+_log = logging.getLogger(__name__)
+
+
+def fields(status: job_pb2.JobStatus, min_nodes: int, max_nodes: int) -> dict[str, Any]:
+    """The DLFleetJob status fields the master owns, from its JobStatus."""
+    ready = sum(1 for node in status.nodes if node.state == NodeState.RUNNING.value)
+    formed = status.master_up and status.round > 0 and status.world_size > 0
+    phase = "Running" if formed else "Restarting" if status.round > 0 else None
+    out: dict[str, Any] = {
+        "nodes": f"{ready}/{min_nodes}/{max_nodes}",
+        "readyNodes": ready,
+        "round": int(status.round),
+        "recordsDone": int(sum(ds.records_done for ds in status.datasets)),
+    }
+    if status.HasField("goodput") and status.goodput.window_seconds > 0:
+        out["goodput"] = f"{status.goodput.ratio:.3f}"
+    if phase is not None:
+        out.update(phase=phase, reason=phase, message=status.reason or f"round {status.round}")
+    return out
+
+
+def wanted(spec: Mapping[str, Any]) -> int | None:
+    """The number of nodes a DLFleetJob's spec asks for now."""
+    nodes = spec.get("nodes") or {}
+    value = nodes.get("initial") or nodes.get("min")
+    return int(value) if value else None
+
+
+class ResourceLink:
+    def __init__(self, api: Any, namespace: str, name: str) -> None:
+        # Imported here: the runner imports this module on every platform.
+        from kubernetes import client as k8s
+        from kubernetes.client.exceptions import ApiException
+
+        self._errors = (ApiException, OSError)
+        self.custom: Any = k8s.CustomObjectsApi(api)
+        self.namespace = namespace
+        self.name = name
+        self._published: dict[str, Any] = {}
+
+    def publish(self, status: Mapping[str, Any]) -> None:
+        """Patch the resource's status with `status`, if it changed; best
+        effort (a failure is logged, the job goes on)."""
+        if dict(status) == self._published:
+            return
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                crd.GROUP, crd.VERSION, self.namespace, crd.PLURAL, self.name,
+                {"status": dict(status)},
+            )  # fmt: skip
+            self._published = dict(status)
+        except self._errors as exc:
+            _log.warning("cannot write the status of %s %s: %s", crd.KIND, self.name, exc)
+
+    def wanted_nodes(self) -> int | None:
+        """What the resource's spec asks for now (None: unreadable)."""
+        try:
+            found = self.custom.get_namespaced_custom_object(
+                crd.GROUP, crd.VERSION, self.namespace, crd.PLURAL, self.name
+            )
+        except self._errors as exc:
+            _log.warning("cannot read %s %s: %s", crd.KIND, self.name, exc)
+            return None
+        return wanted(found.get("spec") or {})
