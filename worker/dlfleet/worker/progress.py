@@ -2,17 +2,25 @@
 
 The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
 writes the process's step and sample counts into it, with when it wrote them
-(`"<steps> <samples> <time.monotonic()>"`, a clock the agent on the same host
-shares), at most every `MIN_INTERVAL_S` (the first two steps at once), which
-also sets its modification time. Rates are taken between the writes' own
-times, not the agent's reads: a read lags its write by up to
-`MIN_INTERVAL_S`, which over a heartbeat of a second would make a steady
-rate read 50% to 150% of itself. The
-agent's `--step-timeout` watchdog restarts the workers when a rank that has
-stepped at least once has not stepped for that long: a silent hang (a
-collective waiting forever, a deadlocked data pipeline) becomes a failure.
+(`"<steps> <samples> <time.monotonic()> <blocked_s> <trained_step>"`, a clock
+the agent on the same host shares), at most every `MIN_INTERVAL_S` (the first
+two steps at once), which also sets its modification time. Rates are taken
+between the writes' own times, not the agent's reads: a read lags its write
+by up to `MIN_INTERVAL_S`, which over a heartbeat of a second would make a
+steady rate read 90% to 110% of itself. The agent's `--step-timeout`
+watchdog restarts the workers when a rank that has stepped at least once has
+not stepped for that long: a silent hang (a collective waiting forever, a
+deadlocked data pipeline) becomes a failure.
 The counts give the node's step time and samples/s, which the agent sends
 the master with its heartbeats (for the brain and the status display).
+
+`saved()`, called by the Checkpointer after each save, adds the time the
+save kept the step waiting to the file's `blocked_s` (the job's goodput counts
+it as checkpoint blocking) and ties the process's step count to the training
+step it saved, so that `trained_step` says which step the process is at (-1
+before its first save): the master needs it to know how many steps a restore
+rolls back, which a count since the process started cannot tell. Readers
+take the first two or three fields of a file of an older form.
 
 `idle()` takes the rank off the watch until its next `step()`: between
 epochs, for evaluation, a final checkpoint, or the process's teardown, which
@@ -33,7 +41,10 @@ from typing import NamedTuple
 
 from dlfleet.api.env import PROGRESS_ENV
 
-MIN_INTERVAL_S = 0.5
+# A write costs tens of microseconds; ten a second keep the gap the step
+# watchdog learns close to a step's time (a 0.1 s step: writes 0.1-0.2 s
+# apart), so a learned bound catches a hang in about a second, not in a few.
+MIN_INTERVAL_S = 0.1
 # The first steps are written at once: whether a rank got past its first step
 # decides how its failure is diagnosed (an error before it is the script's).
 FIRST_STEPS_WRITTEN = 2
@@ -47,10 +58,15 @@ class Counts(NamedTuple):
     steps: int
     samples: int
     at: float | None = None
+    blocked_s: float = 0.0
+    trained_step: int | None = None  # None: not known (no save yet)
 
 
 _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
+_blocked_s = [0.0]  # time saves kept this process's steps waiting
+# The training step minus the step count at the last save (None: no save yet).
+_step_offset: list[int | None] = [None]
 
 
 def step(samples: int = 0) -> None:
@@ -72,10 +88,24 @@ def _write(now: float) -> None:
         return
     try:  # whole or not at all: the agent reads it at any moment
         with open(path + ".tmp", "w") as out:
-            out.write(f"{_counts[0]} {_counts[1]} {now:.6f}\n")
+            out.write(_line(now))
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # a progress signal must never break training
+
+
+def _line(now: float) -> str:
+    offset = _step_offset[0]
+    trained = -1 if offset is None else _counts[0] + offset
+    return f"{_counts[0]} {_counts[1]} {now:.6f} {_blocked_s[0]:.6f} {trained}\n"
+
+
+def saved(step: int, blocked_s: float) -> None:
+    """Tell the agent this process saved a checkpoint of training step
+    `step`, which kept its training waiting `blocked_s`. Written with the
+    next step's write, not here: a save may come every step."""
+    _blocked_s[0] += max(0.0, blocked_s)
+    _step_offset[0] = step - _counts[0]
 
 
 def announce() -> None:
@@ -93,8 +123,13 @@ def read_counts(path: str) -> Counts | None:
             fields = source.read().split()
         if len(fields) == 2:
             return Counts(int(fields[0]), int(fields[1]))
-        steps, samples, at = fields
-        return Counts(int(steps), int(samples), float(at))
+        if len(fields) == 3:
+            return Counts(int(fields[0]), int(fields[1]), float(fields[2]))
+        steps, samples, at, blocked, trained = fields
+        step = int(trained)
+        return Counts(
+            int(steps), int(samples), float(at), float(blocked), step if step >= 0 else None
+        )
     except (OSError, ValueError):
         return None
 

@@ -47,7 +47,7 @@ from dlfleet.api.client import AgentSession, MasterClient, join_request
 from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
-from dlfleet.worker.agent.loop import free_ports
+from dlfleet.worker.agent.processes import free_ports
 from dlfleet.worker.loader.environment import launcher_variables
 
 _log = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             if self._session is None:
                 self._register()
             assert self._session is not None
-            while not self._session.events.empty():
-                self._session.events.get_nowait()
+            self._session.drop_pushes()
             # The spare port lets the master join this node into the next
             # round itself when this one closes, as it does the agent's: the
             # next round forms while torchrun restarts its workers.
@@ -174,10 +173,8 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         session = self._session
         if session is None:
             return 0
-        for event in list(session.events.queue):
-            if event.HasField("re_rendezvous") and event.re_rendezvous.closed_round >= self._round:
-                return 1
-        return 0
+        pushes = session.waiting_pushes()
+        return int(any(push.closed_round >= self._round for push in pushes))
 
     def get_run_id(self) -> str:
         return self._params.run_id

@@ -22,10 +22,33 @@ worker tells the agent (`Keeper.Saved`); the agent then
 `Fetch` serves any image this node holds, own or replica. Images are shipped
 as opaque bytes: the agent imports no torch.
 
+While the master is away (it restarts: seconds), only it could commit or
+count replicas, so saves do not wait for it. The agent keeps the evidence
+instead, so that losing a node in that window too loses no committed step:
+
+- replicas still flow: a node receiving one reports it to the master only
+  when the master answers, else later, and acks at once, so the sender's
+  newer images keep coming;
+- a save is answered once this node holds every rank's image of its step,
+  its own ranks' and its peer's replicas (`_wait_whole`, bounded): the node
+  alone could restore that step, and its workers are told it is committed,
+  so they keep their images of it (the writer never overwrites the committed
+  step) while the agent keeps the replicas of it (`_replica_slot`);
+- when the master answers again, the agent reports every image it holds,
+  own and replica, step by step (`_reconcile`); the master counts a replica
+  as its rank's save, so a step held whole here is committed and restorable
+  even if the other node was lost before it could report anything. A new
+  round waits for that (`set_peer`, bounded), so its restore sees it.
+
+In a ring of more than two nodes no node holds every rank's image: saves then
+answer at once, as before, with the master's word.
+
 Invariants:
 - a replica's header is written after its body, by rename, so a reader never
-  sees half a replica; the slot holding the newest replica of a rank is never
-  the one overwritten;
+  sees half a replica; the slot overwritten is never the one holding the
+  step this node's workers were told is committed (the master's word, or a
+  step held whole in its absence) while the other slot does not; else the
+  older one;
 - reports and replication happen off the workers' path: `saved` only queues.
 """
 
@@ -60,6 +83,7 @@ REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
 REPLICA_WAIT_S = 1.0  # and then for every rank's copy on a second node
 REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
+RECONCILE_WAIT_S = 2.0  # how long a new round waits for the master to hear this node's images
 # A master that has not answered a report for this long is taken as away (it
 # restarts, or is cut off): saves then stop waiting for it, see `saved`.
 MASTER_SLOW_S = 0.5
@@ -103,6 +127,11 @@ def remove_stale_folders(base: Path) -> list[Path]:
 class _Held:
     header_path: Path
     header: files.ImageHeader
+    replica: bool = False  # a peer's image, kept here
+
+    @property
+    def key(self) -> tuple[bool, int]:
+        return (self.replica, self.header.rank)
 
 
 class ImageKeeper:
@@ -138,6 +167,10 @@ class ImageKeeper:
         self._replicated_step = -1  # the master's word, as last heard
         self._report_since: float | None = None  # a report in flight since (monotonic)
         self._master_away = False  # the last call to the master failed
+        # The newest (round, step) whose every rank's image this node held
+        # while the master was away, told to the workers as committed.
+        self._whole: tuple[int, int] | None = None
+        self._unreconciled = False  # the master missed reports: tell it all it held
         self._own: dict[int, _Held] = {}  # newest own image per rank
         self._peer: str | None = None
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
@@ -182,12 +215,22 @@ class ImageKeeper:
         return total
 
     def set_peer(self, address: str | None) -> None:
-        """The node this one copies its images to (None: no peer, alone)."""
+        """The node this one copies its images to (None: no peer, alone), set
+        as a round starts. Its restore asks the master for the newest step
+        every rank holds: after an outage, first the master hears every image
+        this node held meanwhile (bounded by RECONCILE_WAIT_S)."""
         with self._lock:
             changed = address != self._peer
             self._peer = address or None
         if changed and address:
             self._replicate.set()
+        self.wait_reconciled(RECONCILE_WAIT_S)
+
+    def wait_reconciled(self, timeout_s: float) -> bool:
+        """Until the master has heard every image this node held while it
+        was away (True), or `timeout_s`."""
+        with self._commits:
+            return self._commits.wait_for(lambda: not self._unreconciled, timeout_s)
 
     # ------------------------------------------------------------ workers
 
@@ -211,9 +254,10 @@ class ImageKeeper:
         # most the next step (at most REPLICA_WAIT_S more: a large image
         # replicates at the network's pace, and training must not).
         # Only the master can say either, so while it is away (a restart
-        # takes seconds) waiting gains nothing: training goes on, and the
-        # steps commit once it answers again. Losing a node in that window
-        # too can lose the steps since the last commit.
+        # takes seconds) the answer waits for this node to hold every rank's
+        # image of the step instead (see the module's docstring): losing a
+        # node in that window too then loses no step the workers were told
+        # is committed.
         deadline = time.monotonic() + COMMIT_WAIT_S
         with self._commits:
             while self._committed < header.step and not self._master_away_locked():
@@ -221,8 +265,41 @@ class ImageKeeper:
                 if left <= 0:
                     break
                 self._commits.wait(min(left, _WAIT_SLICE_S))
-        self._wait_replicated(header.step, time.monotonic() + REPLICA_WAIT_S)
-        return checkpoint_pb2.SavedAck(committed_step=self.committed)
+        deadline = time.monotonic() + REPLICA_WAIT_S  # both waits: within the worker's bound
+        self._wait_replicated(header.step, deadline)
+        if self.master_away:
+            self._wait_whole(header, deadline)
+        return checkpoint_pb2.SavedAck(committed_step=self._told(header.round))
+
+    def _told(self, round_: int) -> int:
+        """The committed step a save of `round_` is answered: the master's
+        word, or a newer step of that round this node held whole while the
+        master was away."""
+        with self._lock:
+            whole, committed = self._whole, self._committed
+        if whole is not None and whole[0] == round_:
+            return max(committed, whole[1])
+        return committed
+
+    def _wait_whole(self, header: files.ImageHeader, deadline: float) -> None:
+        """Until this node holds every rank's image of `header`'s step (its
+        own ranks' and replicas), or `deadline`. Not at all where it never
+        held every rank of the round (a ring of more than two nodes)."""
+        ranks = set(range(header.world_size))
+        if not _ranks_held(self._held_images(), header.round, None) >= ranks:
+            return
+        while True:
+            if _ranks_held(self._held_images(), header.round, header.step) >= ranks:
+                with self._commits:
+                    if self._whole is None or self._whole < (header.round, header.step):
+                        self._whole = (header.round, header.step)
+                    self._unreconciled = True
+                return
+            with self._commits:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._commits.wait(min(left, _WAIT_SLICE_S))
 
     def _master_away_locked(self) -> bool:
         """The last call to the master failed, or a report has been in
@@ -281,61 +358,85 @@ class ImageKeeper:
             self._commits.notify_all()
 
     def _report_loop(self) -> None:
-        """Report what this node's ranks saved, newest first in line. A report
-        the master did not take for being away is sent again every
-        REPORT_RETRY_S (unless a newer image of its rank came), one attempt
-        each, so the first attempt after the master is back is within that,
-        not after a back-off of up to a second."""
+        """Report what this node's ranks saved and the replicas it received,
+        newest first in line. A report the master did not take for being
+        away is sent again every REPORT_RETRY_S (unless a newer image of its
+        rank came), one attempt each, so the first attempt after the master
+        is back is within that, not after a back-off of up to a second; then
+        the master hears every image held here (`_reconcile`)."""
         unsent: list[_Held] = []
         while True:
-            try:
-                first = self._reports.get(timeout=REPORT_RETRY_S if unsent else None)
-            except queue.Empty:
-                first = unsent.pop()
-            if first is None:
+            batch = self._next_batch(unsent)
+            if batch is None:
                 return
-            batch = [*unsent, first]
             unsent = []
-            while True:  # the other local ranks' saves of the step, if already in
-                try:
-                    more = self._reports.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._reports.put(None)
-                    break
-                batch.append(more)
             # Only each rank's newest image is worth a report: the master
             # commits the newest step every rank holds, and the older ones
             # are about to be dropped. After a master outage the backlog is
             # then one report per step still open, not one per step missed,
             # and the saves waiting for the current step's commit wait less.
-            newest: dict[int, _Held] = {}
-            for held in batch:
-                h = held.header
-                kept = newest.get(h.rank)
-                if kept is None or (h.round, h.step) >= (kept.header.round, kept.header.step):
-                    newest[h.rank] = held
-            by_step: dict[tuple[int, int, int], list[_Held]] = {}
-            for held in newest.values():
-                h = held.header
-                by_step.setdefault((h.step, h.round, h.world_size), []).append(held)
-            for (step, round_, world), images in sorted(by_step.items()):
-                if self._report(step, round_, world, images, replica=False) is None:
-                    unsent += images if self.master_away else []
+            for (step, round_, world), images in _by_step(_newest(batch)):
+                if self._report(step, round_, world, images) is None and self.master_away:
+                    unsent += images
+            if not unsent and self._reconcile_due():
+                self._reconcile()
+
+    def _next_batch(self, unsent: list[_Held]) -> list[_Held] | None:
+        """The reports queued, after those not taken yet (None: closed). While
+        some are owed to the master, it waits at most REPORT_RETRY_S."""
+        owed = bool(unsent) or self._reconcile_due()
+        try:
+            first = self._reports.get(timeout=REPORT_RETRY_S if owed else None)
+        except queue.Empty:
+            return list(unsent)
+        if first is None:
+            return None
+        batch = [*unsent, first]
+        while True:  # the other local ranks' saves of the step, if already in
+            try:
+                more = self._reports.get_nowait()
+            except queue.Empty:
+                return batch
+            if more is None:
+                self._reports.put(None)
+                return batch
+            batch.append(more)
+
+    def _reconcile_due(self) -> bool:
+        with self._lock:
+            return self._unreconciled
+
+    def _reconcile(self) -> None:
+        """Report every image this node holds, own and replica, oldest step
+        first: after an outage the master may know none of the steps saved
+        meanwhile, and a node lost in it cannot report its own. Done once
+        the master took every report; the next try is the loop's next turn."""
+        for (step, round_, world), images in _by_step(self._held_images()):
+            if self._report(step, round_, world, images) is None and self.master_away:
+                return
+        with self._commits:
+            self._unreconciled = False
+            self._commits.notify_all()
 
     def _report(
-        self, step: int, round_: int, world: int, images: list[_Held], *, replica: bool
+        self,
+        step: int,
+        round_: int,
+        world: int,
+        images: list[_Held],
+        *,
+        queued: bool = True,
     ) -> int | None:
-        """Tell the master; the newest replicated step it answers (-1: none;
-        None: not taken). An own report makes one attempt (the report loop
-        sends it again); a replica's rides out a master restart."""
+        """Tell the master, in one attempt; the newest replicated step it
+        answers (-1: none; None: not taken). A `queued` report is the report
+        loop's (it sends it again); a replica's report as it arrives is not,
+        and the loop sends it if it was not taken."""
         copies = [
             checkpoint_pb2.ImageCopy(
                 rank=held.header.rank,
                 node_id=self.node_id,
                 address=self.address,
-                replica=replica,
+                replica=held.replica,
                 bytes=held.header.body_nbytes,
             )
             for held in images
@@ -347,14 +448,13 @@ class ImageKeeper:
             round=round_,
             world_size=world,
             copies=copies,
-            dropped_below=self._oldest_held(),
+            dropped_below=min(self._oldest_held(), step),
         )
-        if not replica:
+        if queued:
             with self._commits:
                 self._report_since = time.monotonic()
         try:
-            client = self._client if replica else self._quick_reports
-            answer = client.report_checkpoint(report)
+            answer = self._quick_reports.report_checkpoint(report)
         except DlfleetError as exc:
             away = isinstance(exc, Unavailable)
             if away:
@@ -362,13 +462,14 @@ class ImageKeeper:
             else:
                 _log.warning("checkpoint report of step %d not taken: %s", step, exc)
             with self._commits:
-                if not replica:
+                if queued:
                     self._report_since = None
                 self._master_away = self._master_away or away
+                self._unreconciled = self._unreconciled or away
                 self._commits.notify_all()
             return None
         with self._commits:
-            if not replica:
+            if queued:
                 self._report_since = None
             self._master_away = False
             # The master's word, not a maximum: a restore abandons the steps after
@@ -378,11 +479,17 @@ class ImageKeeper:
             self._commits.notify_all()
         return answer.replicated_step
 
+    def _held_images(self) -> list[_Held]:
+        """Every complete image in this node's memory, own and replicas."""
+        held = [_Held(i.header_path, i.header) for i in files.list_images(self.own_dir)]
+        for folder in sorted(self.replica_dir.iterdir()):
+            held += [
+                _Held(i.header_path, i.header, replica=True) for i in files.list_images(folder)
+            ]
+        return held
+
     def _oldest_held(self) -> int:
-        steps = [image.header.step for image in files.list_images(self.own_dir)]
-        for folder in self.replica_dir.iterdir():
-            steps += [image.header.step for image in files.list_images(folder)]
-        return min(steps, default=0)
+        return min((held.header.step for held in self._held_images()), default=0)
 
     # ------------------------------------------------------- replication
 
@@ -459,45 +566,72 @@ class ImageKeeper:
         origin = _UNSAFE.sub("_", first.origin_node) or "unknown"
         folder = self.replica_dir / origin
         folder.mkdir(parents=True, exist_ok=True)
-        slot = self._replica_slot(folder, header.rank)
+        slot = self._replica_slot(folder, header)
         header_path = folder / files.header_name(header.rank, slot)
         body_path = folder / files.body_name(header.rank, slot)
         header_path.unlink(missing_ok=True)
         received = 0
-        with body_path.open("wb") as body:
-            for piece in _chain(first, pieces):
-                if piece.offset != received:
-                    raise CheckpointError(f"replica piece at {piece.offset}, expected {received}")
-                body.write(piece.data)
-                received += len(piece.data)
-        if received != first.total_bytes:
+        # Verified as it arrives: a replica damaged on the way (or sent from a
+        # damaged image) is refused, not kept to be restored from later.
+        verifier = files.BodyVerifier(header)
+        try:
+            with body_path.open("wb") as body:
+                for piece in _chain(first, pieces):
+                    if piece.offset != received:
+                        raise CheckpointError(
+                            f"replica piece at {piece.offset}, expected {received}"
+                        )
+                    verifier.feed(piece.data)
+                    body.write(piece.data)
+                    received += len(piece.data)
+            if received != first.total_bytes:
+                raise CheckpointError(
+                    f"replica ended after {received} of {first.total_bytes} bytes"
+                )
+            verifier.finish()
+        except CheckpointError as error:
             body_path.unlink(missing_ok=True)
-            raise CheckpointError(f"replica ended after {received} of {first.total_bytes} bytes")
+            _log.warning("refused a replica from %s: %s", origin, error)
+            raise
         renamed = files.ImageHeader(**{**header.__dict__, "body_name": body_path.name})
         tmp = header_path.with_name(header_path.name + ".tmp")
         tmp.write_bytes(files.encode_header(renamed))
         tmp.replace(header_path)
-        replicated_step = self._report(
-            header.step,
-            header.round,
-            header.world_size,
-            [_Held(header_path, renamed)],
-            replica=True,
-        )
+        replica = _Held(header_path, renamed, replica=True)
+        with self._commits:
+            self._commits.notify_all()  # a save may wait for this node to hold its step whole
+        replicated_step = None
+        if not self.master_away:  # else the sender's next images would wait for it
+            replicated_step = self._report(
+                header.step, header.round, header.world_size, [replica], queued=False
+            )
+        if replicated_step is None:
+            self._reports.put(replica)
         return checkpoint_pb2.ReplicateAck(
             bytes=received, replicated_step=-1 if replicated_step is None else replicated_step
         )
 
-    @staticmethod
-    def _replica_slot(folder: Path, rank: int) -> int:
+    def _replica_slot(self, folder: Path, header: files.ImageHeader) -> int:
+        """A free slot, else the one holding the same step again, else the
+        older one, but never the one holding the step this node's workers
+        were told is committed while there is another."""
         held = {
-            int(image.header_path.name.split(".slot-")[1].split(".")[0]): image.header.step
-            for image in files.list_images(folder, rank)
+            int(image.header_path.name.split(".slot-")[1].split(".")[0]): image.header
+            for image in files.list_images(folder, header.rank)
         }
         free = [slot for slot in range(REPLICA_SLOTS) if slot not in held]
         if free:
             return free[0]
-        return min(held, key=lambda slot: held[slot])  # the older of the two
+        same = [
+            slot for slot, h in held.items() if (h.round, h.step) == (header.round, header.step)
+        ]
+        if same:
+            return same[0]
+        with self._lock:
+            whole, committed = self._whole, self._committed
+        kept = [s for s, h in held.items() if (h.round, h.step) == whole or h.step == committed]
+        reusable = [slot for slot in held if slot not in kept] or list(held)
+        return min(reusable, key=lambda slot: held[slot].step)
 
     # ------------------------------------------------------------ fetches
 
@@ -553,3 +687,33 @@ def _chain(
 ) -> Iterator[checkpoint_pb2.ImagePiece]:
     yield first
     yield from rest
+
+
+def _newest(batch: list[_Held]) -> list[_Held]:
+    """Each rank's newest image in `batch`, own and replica apart."""
+    newest: dict[tuple[bool, int], _Held] = {}
+    for held in batch:
+        kept = newest.get(held.key)
+        h = held.header
+        if kept is None or (h.round, h.step) >= (kept.header.round, kept.header.step):
+            newest[held.key] = held
+    return list(newest.values())
+
+
+def _by_step(images: list[_Held]) -> list[tuple[tuple[int, int, int], list[_Held]]]:
+    """`images` as one report each per (step, round, world size), oldest step
+    first, one copy per rank and kind (own or replica)."""
+    by_step: dict[tuple[int, int, int], dict[tuple[bool, int], _Held]] = {}
+    for held in images:
+        h = held.header
+        by_step.setdefault((h.step, h.round, h.world_size), {}).setdefault(held.key, held)
+    return [(key, list(copies.values())) for key, copies in sorted(by_step.items())]
+
+
+def _ranks_held(images: list[_Held], round_: int, step: int | None) -> set[int]:
+    """The ranks of `round_` with an image in `images` (of `step`, or any)."""
+    return {
+        held.header.rank
+        for held in images
+        if held.header.round == round_ and (step is None or held.header.step == step)
+    }

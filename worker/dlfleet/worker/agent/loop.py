@@ -41,21 +41,18 @@ port, chosen at join), so no key of an earlier attempt is ever read again.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
-import queue
 import secrets
-import socket
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from dlfleet.api.client import AgentSession, MasterClient, RetryPolicy, join_request
-from dlfleet.api.diagnosis import Action, FailureFacts, Verdict, diagnose
+from dlfleet.api.diagnosis import RESTART_LOOP_REFUSAL, Action, FailureFacts, Verdict, diagnose
 from dlfleet.api.env import (
     AGENT_ENV,
     CHECKPOINT_DIR_ENV,
@@ -75,6 +72,25 @@ from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worke
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.agent.phases import (
+    EXIT_FOR,
+    EXIT_NODE_CHECK_FAILED,
+    EXIT_NODE_LOST,
+    EXIT_PREEMPTED,
+    EXIT_WORKERS_FAILED,
+    FINAL,
+    CheckFailed,
+    Checking,
+    Failed,
+    Joining,
+    Phase,
+    Preempted,
+    Rejoining,
+    Restarting,
+    Running,
+    Succeeded,
+)
+from dlfleet.worker.agent.processes import dump_stacks, free_ports, process_stopped
 from dlfleet.worker.agent.store_probe import StoreProbe
 from dlfleet.worker.agent.watchdog import StepPace
 from dlfleet.worker.agent.workers import (
@@ -83,8 +99,7 @@ from dlfleet.worker.agent.workers import (
     WorkerGroup,
     attempt_log_dir,
 )
-from dlfleet.worker.elastic.channel import STACKS_SIGNAL
-from dlfleet.worker.nodecheck import EXIT_FAULTY
+from dlfleet.worker.elastic.channel import Abort, Run, WorkState
 from dlfleet.worker.progress import read_counts
 
 _log = logging.getLogger("dlworker")
@@ -109,116 +124,42 @@ WARM_START_STRAGGLER_S = 10.0
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
 
 
-# ------------------------------------------------------------------ phases
-
-
-@dataclass(frozen=True)
-class Checking:
-    """The pre-flight node check, before the node first joins."""
-
-
-@dataclass(frozen=True)
-class Joining:
-    restart_count: int
-
-
-@dataclass(frozen=True)
-class Running:
-    assignment: RoundAssignment
-    restart_count: int
-
-
-@dataclass(frozen=True)
-class Restarting:
-    failure: WorkerFailure
-    restart_count: int
-
-
-@dataclass(frozen=True)
-class Rejoining:
-    reason: str
-    restart_count: int
-
-
-EXIT_WORKERS_FAILED = 1
-EXIT_NODE_LOST = 3
-EXIT_NODE_FAULTY = 4  # diagnosed: a hardware fault, replace this node
-EXIT_OUT_OF_MEMORY = 5  # diagnosed: relaunch this node with more memory
-EXIT_NODE_CHECK_FAILED = EXIT_FAULTY  # 6: its node check found it slow or broken
-# The node's exit code for each diagnosis action that ends it.
-_EXIT_FOR = {
-    Action.FAIL_JOB: EXIT_WORKERS_FAILED,
-    Action.REPLACE_NODE: EXIT_NODE_FAULTY,
-    Action.RELAUNCH_NODE_WITH_MORE_MEMORY: EXIT_OUT_OF_MEMORY,
-}
-EXIT_PREEMPTED = 128 + 15  # SIGTERM
-
-
-@dataclass(frozen=True)
-class Succeeded:
-    pass
-
-
-@dataclass(frozen=True)
-class Failed:
-    failure: WorkerFailure | None
-    reason: str
-    exit_code: int = EXIT_WORKERS_FAILED  # EXIT_NODE_LOST without a failure
-
-
-@dataclass(frozen=True)
-class Preempted:
-    pass
-
-
-@dataclass(frozen=True)
-class CheckFailed:
-    reason: str  # the master's verdict, with the numbers
-
-
-Phase = (
-    Checking | Joining | Running | Restarting | Rejoining | Succeeded | Failed | Preempted
-    | CheckFailed
-)  # fmt: skip
-FINAL = (Succeeded, Failed, Preempted, CheckFailed)
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now, for this node's process-group store should
-    it lead the next round; released before the workers start."""
-    return free_ports(host, 1)[0]
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` different ports free on `host` now (bound together, then
-    released)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
+def master_client(config: AgentConfig) -> MasterClient:
+    """The agent's client: it rides out a master that is slow to come up for
+    up to $DLFLEET_CONNECT_BUDGET seconds (60)."""
+    budget = float(os.environ.get(CONNECT_BUDGET_ENV, "60"))
+    return MasterClient(
+        config.master,
+        token=config.token,
+        retry=RetryPolicy(attempts=50, max_backoff_s=2.0, total_budget_s=budget),
+    )
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, *, host: str | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        host: str | None = None,
+        client: MasterClient | None = None,
+        worker_group: Callable[[], WorkerGroup] = WorkerGroup,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`host`: the address to publish; None (a real node) chooses it from
-        --local-addr or the route to the master (`dlfleet.worker.address`)."""
+        --local-addr or the route to the master (`dlfleet.worker.address`).
+        `client`: the master's (None: `master_client(config)`; the agent
+        closes it when it ends). `worker_group` makes the group of a round's
+        worker processes; `clock` reads the seconds every delay and deadline
+        of the agent is kept on (monotonic)."""
         self.config = config
         self.host = host or ""
         self.bind_host = host or ""
         self._given_host = host
         # GLOO/NCCL/TP_SOCKET_IFNAME for the workers, where the user set none.
         self.interface_env: dict[str, str] = {}
-        budget = float(os.environ.get(CONNECT_BUDGET_ENV, "60"))
-        self.client = MasterClient(
-            config.master,
-            token=config.token,
-            retry=RetryPolicy(attempts=50, max_backoff_s=2.0, total_budget_s=budget),
-        )
+        self.client = client if client is not None else master_client(config)
+        self._worker_group = worker_group
+        self._clock = clock
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="dlworker-"))
         self.preempted = threading.Event()
         self.node_id = ""
@@ -307,7 +248,7 @@ class Agent:
             return EXIT_NODE_CHECK_FAILED
         if isinstance(phase, Failed):
             _log.error("dlworker %s failed: %s", self.node_id, phase.reason)
-            return phase.exit_code if phase.failure is not None else EXIT_NODE_LOST
+            return phase.exit_code
         if isinstance(phase, Preempted):
             return EXIT_PREEMPTED
         return 0
@@ -396,8 +337,8 @@ class Agent:
         self._previous_exception = facts.signature
         self._report(failure, phase.restart_count, verdict)
         described = f"{_describe(failure, self.node_id)}; diagnosed {verdict.describe()}"
-        if verdict.action in _EXIT_FOR:
-            return Failed(failure, described, _EXIT_FOR[verdict.action])
+        if verdict.action in EXIT_FOR:
+            return Failed(failure, described, EXIT_FOR[verdict.action])
         if phase.restart_count >= self.config.max_restarts:
             # The verdict says restart, but the node ends: say that, not "restart".
             spent = (
@@ -439,7 +380,7 @@ class Agent:
 
     def _join(self, phase: Joining) -> Phase:
         assert self.session is not None
-        _drain(self.session.events)  # pushes about rounds before this one
+        self.session.drop_pushes()  # about rounds before this one
         try:
             # On the session, not a Join call of its own: at thousands of
             # nodes the master forms a round with a message per node.
@@ -459,7 +400,12 @@ class Agent:
             )
             joined = self._wait_for_round(pending)
         except DlfleetError as error:
-            return Failed(None, f"rendezvous failed: {error}")
+            if str(error).startswith(RESTART_LOOP_REFUSAL):
+                # The master failed the job: its workers failed after every
+                # restore. Exit as a node whose training failed, so the job
+                # fails with the diagnosis, not relaunched into the same refusal.
+                return Failed(None, str(error), EXIT_WORKERS_FAILED)
+            return Failed(None, f"rendezvous failed: {error}", EXIT_NODE_LOST)
         if joined is None:
             return Preempted()
         assignment = RoundAssignment(
@@ -501,18 +447,18 @@ class Agent:
             self._continue_in_process(assignment, phase.restart_count)
         else:
             self._stop_workers()
-            self.group = WorkerGroup()
+            self.group = self._worker_group()
             self.group.start(self.config, self._envs, self.log_dir, assignment.round)
             for local_rank, pid in enumerate(self.group.pids):
                 self.orders.expect(
                     pid, self._run_order(assignment, local_rank, phase.restart_count)
                 )
-        self._spares_due = time.monotonic() + SPARE_DELAY_S
+        self._spares_due = self._clock() + SPARE_DELAY_S
         before = self.sampler
         self.sampler = NodeSampler(self.progress_dir, self.group.pids)
         if before is not None:  # over the node's attempts
             self.sampler.peak_rss, self.sampler.most_steps = before.peak_rss, before.most_steps
-        self._sampled_at = time.monotonic()
+        self._sampled_at = self._clock()
         return Running(assignment, phase.restart_count)
 
     def _wait_for_round(
@@ -521,7 +467,7 @@ class Agent:
         """The join's answer; meanwhile, every WAITING_SAY_S, why no round has
         formed (the master says who waits, how many a round needs, until
         when). None when told to leave (SIGTERM, Ctrl-C) first."""
-        started = time.monotonic()
+        started = self._clock()
         say_at = started + WAITING_SAY_S
         while True:
             done, _ = concurrent.futures.wait([pending], timeout=0.2)
@@ -530,15 +476,15 @@ class Agent:
             if self.preempted.is_set():
                 pending.cancel()
                 return None
-            if time.monotonic() >= say_at:
-                say_at = time.monotonic() + WAITING_SAY_S
+            if self._clock() >= say_at:
+                say_at = self._clock() + WAITING_SAY_S
                 try:
                     why = self.client.rendezvous_state(waiting_only=True).waiting
                 except DlfleetError as error:
                     why = f"the master at {self.config.master} does not answer: {error}"
                 _log.info(
                     "waiting %.0fs for a round: %s",
-                    time.monotonic() - started,
+                    self._clock() - started,
                     why or "the round is forming",
                 )
 
@@ -570,30 +516,27 @@ class Agent:
     def _watch(self, phase: Running) -> Phase:
         """Poll the workers; wake at once for a push from the master."""
         assert self.session is not None and self.group is not None
-        try:
-            event = self.session.events.get(timeout=self.config.monitor_interval_s)
-        except queue.Empty:
-            event = None
+        push = self.session.next_push(self.config.monitor_interval_s)
         if self.preempted.is_set():
             return Preempted()
         if self.store_probe is not None and self.store_probe.problem:
             _log.error("%s", self.store_probe.problem)
             self._stop_workers()
             return Failed(None, self.store_probe.problem, EXIT_NODE_LOST)
-        if event is not None and event.HasField("re_rendezvous"):
-            push = event.re_rendezvous
-            if push.closed_round >= phase.assignment.round:
-                if self.group.poll().status is GroupStatus.SUCCEEDED:
-                    # Finished just before the push (a newcomer came as the job
-                    # ended): joining a round now would leave it waiting for a
-                    # leader that is gone.
-                    self._stop_workers()
-                    return Succeeded()
-                self._end_round(phase.assignment.round, push.reason)
-                return Rejoining(push.reason, phase.restart_count)
+        if push is not None and push.closed_round >= phase.assignment.round:
+            if self.group.poll().status is GroupStatus.SUCCEEDED:
+                # Finished just before the push (a newcomer came as the job
+                # ended): joining a round now would leave it waiting for a
+                # leader that is gone.
+                self._stop_workers()
+                return Succeeded()
+            self._end_round(phase.assignment.round, push.reason)
+            return Rejoining(push.reason, phase.restart_count)
         if self.session.closed_by_master.is_set():
             self._stop_workers()
-            return Failed(None, "the master no longer knows this node (it was dropped)")
+            return Failed(
+                None, "the master no longer knows this node (it was dropped)", EXIT_NODE_LOST
+            )
         self._sample()
         state = self.group.poll()
         if state.status is GroupStatus.SUCCEEDED:
@@ -622,9 +565,7 @@ class Agent:
         if not self.opted_in:
             self._stop_workers()
             return
-        abort = checkpoint_pb2.WorkerOrder(
-            abort=checkpoint_pb2.AbortOrder(round=round_, reason=reason)
-        )
+        abort = Abort(round_, reason)
         assert self.group is not None
         for pid in self.group.pids:
             self.orders.send(pid, abort)
@@ -656,19 +597,19 @@ class Agent:
             if k not in _RANK_VARIABLES
         }
         env[SPARE_ENV] = "1"
-        self.group = WorkerGroup()
+        self.group = self._worker_group()
         for _ in range(self.config.nproc_per_node):
             self.group.start_spare(self.config, env, self.log_dir)
-        started = time.monotonic()
+        started = self._clock()
         deadline = started + WARM_START_TIMEOUT_S
-        while time.monotonic() < deadline and not self.preempted.is_set():
+        while self._clock() < deadline and not self.preempted.is_set():
             for failure in self.group.reap_spares():
                 _log.warning("a warm-start process ended: %s", failure.message.strip()[-300:])
             warm = [pid for pid in self.orders.spares() if pid in self.group.spare_pids]
             if len(warm) >= self.config.nproc_per_node or not self.group.spare_pids:
                 break
             if warm:
-                deadline = min(deadline, time.monotonic() + WARM_START_STRAGGLER_S)
+                deadline = min(deadline, self._clock() + WARM_START_STRAGGLER_S)
             time.sleep(0.05)
         warm = [pid for pid in self.orders.spares() if pid in self.group.spare_pids]
         late = [pid for pid in self.group.spare_pids if pid not in warm]
@@ -679,9 +620,9 @@ class Agent:
             "warm start: %d of %d worker(s) warm after %.2fs; joining",
             len(warm),
             self.config.nproc_per_node,
-            time.monotonic() - started,
+            self._clock() - started,
         )
-        self._spares_due = time.monotonic() + SPARE_DELAY_S
+        self._spares_due = self._clock() + SPARE_DELAY_S
 
     def _note_opt_in(self) -> None:
         """Every worker of the round attached: the script restarts in place."""
@@ -701,20 +642,18 @@ class Agent:
             return
         for failure in self.group.reap_spares():
             _log.warning("a spare process ended: %s", failure.message.strip().splitlines()[-1:])
-        if len(self.group.spare_pids) >= self.config.spares or time.monotonic() < self._spares_due:
+        if len(self.group.spare_pids) >= self.config.spares or self._clock() < self._spares_due:
             return
         env = {k: v for k, v in self._envs[0].items() if k not in _RANK_VARIABLES}
         env[SPARE_ENV] = "1"
         pid = self.group.start_spare(self.config, env, self.log_dir)
         _log.info("started spare process %d", pid)
-        self._spares_due = time.monotonic() + SPARE_DELAY_S
+        self._spares_due = self._clock() + SPARE_DELAY_S
 
-    def _run_order(
-        self, assignment: RoundAssignment, local_rank: int, restart_count: int
-    ) -> checkpoint_pb2.WorkerOrder:
+    def _run_order(self, assignment: RoundAssignment, local_rank: int, restart_count: int) -> Run:
         env = self._envs[local_rank]
-        return checkpoint_pb2.WorkerOrder(
-            run=checkpoint_pb2.RunOrder(
+        return Run(
+            checkpoint_pb2.RunOrder(
                 round=assignment.round,
                 rank=assignment.rank_offset + local_rank,
                 local_rank=local_rank,
@@ -750,9 +689,9 @@ class Agent:
                     dump_stacks(pid)
                 group.kill(local_rank)
         # A killed process takes a moment to be reaped.
-        deadline = time.monotonic() + 1.0
+        deadline = self._clock() + 1.0
         while any(pid in stuck and group.alive(lr) for lr, pid in enumerate(group.pids)):
-            if time.monotonic() > deadline:
+            if self._clock() > deadline:
                 break
             time.sleep(0.01)
         group.begin_round()
@@ -765,7 +704,7 @@ class Agent:
             # A worker that finished its training as the round ended is on its
             # way out: the new round needs a process for its rank all the same
             # (it finds the data done and finishes too).
-            finishing = (self.orders.state(pid) or ("", 0))[0] == "finished"
+            finishing = (self.orders.state(pid) or (None, 0))[0] is WorkState.FINISHED
             if pid and pid not in stuck and group.alive(local_rank) and not finishing:
                 group.set_error_file(local_rank, error_file)
                 self.orders.expect(pid, order)
@@ -787,9 +726,9 @@ class Agent:
     def _sample(self) -> None:
         """Measure the workers once per heartbeat; the next beat carries it."""
         assert self.session is not None
-        if self.sampler is None or time.monotonic() - self._sampled_at < self.session.interval:
+        if self.sampler is None or self._clock() - self._sampled_at < self.session.interval:
             return
-        self._sampled_at = time.monotonic()
+        self._sampled_at = self._clock()
         self.session.metrics = self.sampler.sample()
 
     def _hung_rank(self) -> WorkerFailure | None:
@@ -884,33 +823,6 @@ class Agent:
             self.client.leave_rendezvous(self.node_id, self.incarnation, reason)
         except DlfleetError as error:
             _log.warning("could not leave the rendezvous cleanly: %s", error)
-
-
-def dump_stacks(pid: int, wait_s: float = 0.2) -> None:
-    """Ask a worker for its threads' stacks (`dlfleet.elastic` writes them to
-    its stderr on STACKS_SIGNAL) and give it a moment to write them."""
-    try:
-        os.kill(pid, STACKS_SIGNAL)
-    except OSError:
-        return
-    time.sleep(wait_s)
-
-
-def process_stopped(pid: int) -> bool:
-    """Whether `pid` is stopped by a signal or a tracer (state T or t)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
-
-
-def _drain(events: queue.Queue[rendezvous_pb2.SessionEvent]) -> None:
-    while True:
-        try:
-            events.get_nowait()
-        except queue.Empty:
-            return
 
 
 def _describe(failure: WorkerFailure, node_id: str) -> str:

@@ -2,7 +2,9 @@
 
 CPU time and resident memory come from /proc for each worker process and its
 descendants (DataLoader workers included); step and sample counts from the
-workers' progress files (`dlfleet.worker.progress`); the memory limit from the
+workers' progress files (`dlfleet.worker.progress`), with local rank 0's
+checkpoint blocking, training step and the age of its counts for the
+master's goodput ledger; the memory limit from the
 node's cgroup. CPU is over the time since the last sample; steps and samples
 over the time between the progress files' writes (`rank_rates`), which is
 when they were counted. Linux only: elsewhere the /proc parts read as zero.
@@ -137,6 +139,7 @@ class NodeSampler:
             samples += rates[1]
             if rates[0] > 0:
                 step_times.append(1000 / rates[0])
+        first = counts[0] if counts else None
         metrics = rendezvous_pb2.NodeMetrics(
             cpu_percent=100.0 * max(0.0, used) / elapsed,
             rss_bytes=rss,
@@ -145,7 +148,10 @@ class NodeSampler:
             steps_per_second=sum(step_rates) / len(step_rates) if step_rates else 0.0,
             samples_per_second=samples,
             step_time_ms=sum(step_times) / len(step_times) if step_times else 0.0,
-            steps=counts[0][0] if counts and counts[0] is not None else 0,
+            steps=first.steps if first is not None else 0,
+            checkpoint_blocked_s=first.blocked_s if first is not None else 0.0,
+            trained_step=(first.trained_step or 0) if first is not None else 0,
+            steps_age_s=max(0.0, now - first.at) if first is not None and first.at else 0.0,
         )
         self._at, self._cpu = now, cpu
         # A rank whose file is missing now (idle) keeps its last counts.

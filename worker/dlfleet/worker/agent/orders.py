@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -22,14 +23,18 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dlfleet.api.v1 import checkpoint_pb2
+from dlfleet.worker.elastic.channel import Order, Run, WorkState, order_to_wire
+
+_log = logging.getLogger(__name__)
+_STATES = {state.value: state for state in WorkState}
 
 
 @dataclass
 class WorkerLine:
     pid: int
     spare: bool
-    orders: queue.Queue[checkpoint_pb2.WorkerOrder | None] = field(default_factory=queue.Queue)
-    state: str = "attached"  # attached | running | aborted | finished
+    orders: queue.Queue[Order | None] = field(default_factory=queue.Queue)
+    state: WorkState = WorkState.ATTACHED
     round: int = 0
     detail: str = ""
 
@@ -40,7 +45,7 @@ class WorkerOrders:
         self._changed = threading.Condition(self._lock)
         self._lines: dict[int, WorkerLine] = {}
         # Run orders for processes that have not attached yet (just started).
-        self._expected: dict[int, checkpoint_pb2.WorkerOrder] = {}
+        self._expected: dict[int, Order] = {}
 
     # ------------------------------------------------------ from the workers
 
@@ -68,18 +73,25 @@ class WorkerOrders:
 
     @staticmethod
     def orders_of(line: WorkerLine) -> Iterator[checkpoint_pb2.WorkerOrder]:
+        """`line`'s orders as they go out on its stream."""
         while True:
             order = line.orders.get()
             if order is None:
                 return
-            yield order
+            yield order_to_wire(order)
 
     def report(self, pid: int, round_: int, state: str, detail: str) -> None:
+        """Process `pid` says where it stands (`state`: a WorkState's wire
+        value; one this agent does not know is logged and dropped)."""
+        known = _STATES.get(state)
+        if known is None:
+            _log.warning("process %d reported an unknown state %r", pid, state)
+            return
         with self._changed:
             line = self._lines.get(pid)
             if line is None:
                 return
-            line.state, line.round, line.detail = state, round_, detail
+            line.state, line.round, line.detail = known, round_, detail
             self._changed.notify_all()
 
     # ------------------------------------------------------- from the agent
@@ -93,7 +105,7 @@ class WorkerOrders:
         with self._lock:
             return [line.pid for line in self._lines.values() if line.spare]
 
-    def send(self, pid: int, order: checkpoint_pb2.WorkerOrder) -> bool:
+    def send(self, pid: int, order: Order) -> bool:
         with self._changed:
             line = self._lines.get(pid)
             if line is None:
@@ -101,7 +113,7 @@ class WorkerOrders:
             self._deliver(line, order)
             return True
 
-    def expect(self, pid: int, order: checkpoint_pb2.WorkerOrder) -> None:
+    def expect(self, pid: int, order: Order) -> None:
         """Send `order` to `pid` now if it is attached, else when it attaches."""
         with self._changed:
             line = self._lines.get(pid)
@@ -116,10 +128,10 @@ class WorkerOrders:
             self._expected.pop(pid, None)
 
     @staticmethod
-    def _deliver(line: WorkerLine, order: checkpoint_pb2.WorkerOrder) -> None:
-        if order.WhichOneof("order") == "run":
+    def _deliver(line: WorkerLine, order: Order) -> None:
+        if isinstance(order, Run):
             line.spare = False
-            line.state, line.round = "ordered", order.run.round
+            line.state, line.round = WorkState.ORDERED, order.order.round
         line.orders.put(order)
 
     def detach(self, pid: int) -> None:
@@ -130,7 +142,7 @@ class WorkerOrders:
                 line.orders.put(None)
             self._changed.notify_all()
 
-    def state(self, pid: int) -> tuple[str, int] | None:
+    def state(self, pid: int) -> tuple[WorkState, int] | None:
         with self._lock:
             line = self._lines.get(pid)
             return None if line is None else (line.state, line.round)
@@ -153,7 +165,9 @@ class WorkerOrders:
                 line = self._lines.get(pid)
                 if line is None:
                     continue
-                entered = line.state in ("ordered", "running") and line.round <= round_
+                entered = (
+                    line.state in (WorkState.ORDERED, WorkState.RUNNING) and line.round <= round_
+                )
                 if entered:
                     out.add(pid)
             return out

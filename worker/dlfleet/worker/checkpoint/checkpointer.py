@@ -46,6 +46,7 @@ persisted.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -55,7 +56,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,15 +78,30 @@ from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint import files, location, persist
-from dlfleet.worker.checkpoint.errors import CheckpointError
+from dlfleet.worker.checkpoint.errors import (
+    CheckpointError,
+    ImageCorruptError,
+    PersistCorruptError,
+)
 from dlfleet.worker.checkpoint.image import (
     BytesImage,
     ImageFile,
     ImageSource,
     ImageWriter,
     LocalImage,
+    PendingImage,
     Stripe,
 )
+from dlfleet.worker.checkpoint.ladder import (
+    Candidate,
+    Rejected,
+    Rung,
+    Skip,
+    Verification,
+    Verified,
+    descend,
+)
+from dlfleet.worker.checkpoint.overlap import StepGuard, deferrable
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
 
@@ -99,6 +115,9 @@ PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
 SIGTERM_PERSIST_S = 5.0
 _WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
 _CALL_TIMEOUT_S = 10.0
+_TIMES_KEPT = 16  # images whose times image_times() still knows
+# Every optimizer of the process waits here for the copy of an overlapped save.
+_GUARD = StepGuard()
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,15 @@ class Restored:
     step: int
     state: dict[str, Any]
     source: str  # "memory" (this node), "peer" (fetched from another node) or "disk"
+
+
+@dataclass(frozen=True)
+class ImageTimes:
+    """How long the newest finished image took, from the start of its copy."""
+
+    step: int
+    copied_s: float  # until every tensor of the training state was read (it may change)
+    ready_s: float  # until its checksums and header were written: the image exists
 
 
 class Checkpointer:
@@ -117,6 +145,7 @@ class Checkpointer:
         keep_persisted: int = 2,
         commit_wait_s: float = 3.0,
         stripe_replicated: bool = True,
+        overlap: bool = True,
     ) -> None:
         if persist_every < 0:
             raise ValueError(f"persist_every must be >= 0 (0: never), got {persist_every}")
@@ -128,8 +157,12 @@ class Checkpointer:
         self.keep_persisted = keep_persisted
         self.commit_wait_s = commit_wait_s
         self.stripe_replicated = stripe_replicated
+        self.overlap = overlap
         self.saves = 0
-        self.blocked_s = 0.0  # time save() kept the training step waiting, in total
+        # Time saves kept training waiting, in total: in save(), and in an
+        # optimizer step held for an overlapped copy.
+        self.blocked_s = 0.0
+        self._held_seen = _GUARD.held_s
         shared = os.environ.get(CHECKPOINT_DIR_ENV)
         self._private = not shared
         self.image_dir = (
@@ -143,7 +176,8 @@ class Checkpointer:
         if agent and not self._private:
             self._agent_channel = grpc.insecure_channel(agent)
             self._agent = checkpoint_pb2_grpc.KeeperStub(self._agent_channel)
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler may run while the main thread holds it.
+        self._lock = threading.RLock()
         self._acked = threading.Condition(self._lock)
         self._committed = -1
         self._announced = -1  # the newest step the agent answered for
@@ -155,10 +189,18 @@ class Checkpointer:
         # waiting for parts is superseded by it (the close sentinel is not).
         self._finish_due = -1
         self._last_image: ImageFile | None = None
+        self._times: collections.deque[ImageTimes] = collections.deque(maxlen=_TIMES_KEPT)
+        # The image being finished in the background (its copy, its checksums,
+        # its header), whether its step is due to be persisted; a finish that
+        # failed, for the next save to raise.
+        self._sealing: PendingImage | None = None
+        self._seals: queue.Queue[tuple[PendingImage, bool] | None] = queue.Queue()
+        self._seal_error: CheckpointError | None = None
         self._notices: queue.Queue[ImageFile | None] = queue.Queue()
         self._persists: queue.Queue[ImageFile | None] = queue.Queue()
         self._finishes: queue.Queue[tuple[ImageFile, Path] | None] = queue.Queue()
         self._threads = [
+            threading.Thread(target=self._seal_loop, name="dlfleet-ckpt-seal", daemon=True),
             threading.Thread(target=self._notify_loop, name="dlfleet-ckpt-notify", daemon=True),
             threading.Thread(target=self._persist_loop, name="dlfleet-ckpt-persist", daemon=True),
             threading.Thread(target=self._finish_loop, name="dlfleet-ckpt-finish", daemon=True),
@@ -171,8 +213,30 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Checkpoint `state` as of `step` (call it between steps, on every rank)."""
+    def save(self, step: int, state: Mapping[str, Any], *, overlap: Sequence[Any] = ()) -> None:
+        """Checkpoint `state` as of `step` (call it between steps, on every rank).
+
+        What the step waits for: the copy of what may change before the next
+        optimizer step. The parameters of the modules and the state of the
+        optimizers that `state` holds as objects (`{"model": model, "optim":
+        optimizer}`), or that `overlap` names when `state` holds their state
+        dicts (`overlap=(model, optimizer)`), are copied in the background
+        while the next forward and backward run (unless the Checkpointer was
+        made with `overlap=False`); that step's `optimizer.step()` waits for
+        their copy if it is not done yet. Everything else (buffers, plain
+        tensors, the loader's state, extras) is copied here. The checksums
+        and the image's header follow in the background; the image exists
+        (and is told to the agent) once they are written. Make the
+        Checkpointer with `overlap=False` when the script
+        changes parameters outside `optimizer.step()` (an EMA written into
+        the model, weights clipped in place).
+
+        The time training waited (here, and in an optimizer step held for
+        the copy) and the step go to the progress file too: the master
+        counts that time as checkpoint blocking, and the step tells it how
+        many steps a restore rolls back."""
+        from dlfleet.worker import progress
+
         elastic.check()
         started = time.perf_counter()
         rank, world, round_ = _context()
@@ -180,27 +244,102 @@ class Checkpointer:
         if round_ != self._round:  # a new round that did not load(): its answers count
             with self._acked:
                 self._round = round_
+        self._settle()
         writer = self._writer_for(rank)
         self._wait_for_commit(self._last_saved)
+        persist_due = bool(self.persist_every) and step % self.persist_every == 0
+        if persist_due:  # every rank persists the same steps: the previous one first
+            self._wait(lambda: self._persisting is None, None)
         with self._lock:
             protect = self._persisting if self._persisting is not None else self._committed
-        stripe = self._stripe(rank, world)
-        image = writer.write(
-            step, state, round=round_, world_size=world, protect=protect, stripe=stripe
+        pending = writer.begin(
+            step,
+            state,
+            round=round_,
+            world_size=world,
+            protect=protect,
+            stripe=self._stripe(rank, world),
+            defer=deferrable(state, overlap) if self.overlap else None,
+            sum_later=True,
         )
+        if not pending.copied:
+            _GUARD.hold(pending)
+        with self._acked:
+            self._sealing = pending
+        self._seals.put((pending, persist_due))
         self._last_saved = step
-        self._last_image = image
         self.saves += 1
-        self.blocked_s += time.perf_counter() - started
-        if self._agent is not None:
-            self._notices.put(image)
-        if self.persist_every and step % self.persist_every == 0:
-            self._persist(image)
+        held, self._held_seen = _GUARD.held_s - self._held_seen, _GUARD.held_s
+        blocked = time.perf_counter() - started + held
+        self.blocked_s += blocked
+        progress.saved(step, blocked)
+
+    def _settle(self, *, raise_error: bool = True) -> None:
+        """Until the previous save's image is finished (normally long ago);
+        raise its failure, if it failed. A save's wait leaves at once when
+        the agent ends the round; the others wait (a finish is bounded: a
+        copy, its checksums, a header)."""
+        if raise_error:
+            self._wait(lambda: self._sealing is None, None)
+        else:
+            with self._acked:
+                self._acked.wait_for(lambda: self._sealing is None)
+        with self._lock:
+            error, self._seal_error = self._seal_error, None
+        if error is not None and raise_error:
+            raise error
+
+    def _seal_loop(self) -> None:
+        """Finishes each image (its background copy and checksums, then its
+        header), then tells the agent and hands a due step to the persister."""
+        while True:
+            item = self._seals.get()
+            if item is None:
+                return
+            pending, persist_due = item
+            try:
+                image = pending.finish()
+            except Exception as exc:  # noqa: BLE001 - kept for the next save to raise
+                pending.abandon()
+                error = CheckpointError(f"the image of step {pending.step} was not written: {exc}")
+                error.__cause__ = exc
+                _log.error("%s", error)
+                with self._acked:
+                    self._seal_error = error
+                    self._sealing = None
+                    self._acked.notify_all()
+                continue
+            with self._acked:
+                self._last_image = image
+                self._times.append(
+                    ImageTimes(image.step, pending.copied_s or 0.0, pending.ready_s or 0.0)
+                )
+                if persist_due:
+                    self._persisting = image.step
+                self._sealing = None
+                self._acked.notify_all()
+            if self._agent is not None:
+                self._notices.put(image)
+            if persist_due:
+                self._persists.put(image)
 
     @property
     def last_image(self) -> ImageFile | None:
-        """Where the newest save of this process put its image (None before one)."""
+        """Where the newest save of this process put its image (None before
+        one), once it is finished."""
+        self._settle(raise_error=False)
         return self._last_image
+
+    def image_times(self, step: int) -> ImageTimes | None:
+        """How long the image of `step` (one of the last few finished) took."""
+        with self._lock:
+            return next((t for t in reversed(self._times) if t.step == step), None)
+
+    @property
+    def step_held_s(self) -> float:
+        """Time the optimizer steps of this process waited for overlapped
+        copies, in total (every Checkpointer of the process together)."""
+        return _GUARD.held_s
 
     def _stripe(self, rank: int, world: int) -> Stripe | None:
         """This rank's place on its node, when large replicated tensors are cut
@@ -291,15 +430,6 @@ class Checkpointer:
 
     # ----------------------------------------------------------- persist
 
-    def _persist(self, image: ImageFile) -> None:
-        """Every rank persists the same steps (the multiples of
-        `persist_every`), or the folder never completes: when the previous
-        persist has not finished, this save waits for it."""
-        self._wait(lambda: self._persisting is None, None)
-        with self._acked:
-            self._persisting = image.step
-        self._persists.put(image)
-
     def _persist_loop(self) -> None:
         """Writes this rank's part of each due step (its image is protected
         meanwhile); rank 0 hands the folder to the finisher, which waits for
@@ -311,8 +441,10 @@ class Checkpointer:
                 return
             try:
                 folder = persist.write_part(LocalImage(image.header_path), self.persist_dir)
-            except (OSError, CheckpointError) as exc:
-                _log.error("persisting step %d failed: %s", image.step, exc)
+            except Exception as exc:  # noqa: BLE001 - a full disk surfaces from torch.save as
+                # a RuntimeError too; any failure must leave this thread alive, or every later
+                # persist, and the save that waits for it, would hang
+                self._persist_failed(image.step, exc)
                 continue
             finally:
                 with self._acked:
@@ -331,8 +463,36 @@ class Checkpointer:
             image, folder = item
             try:
                 self._finish(image, folder)
-            except (OSError, CheckpointError, DlfleetError) as exc:
-                _log.error("persisting step %d failed: %s", image.step, exc)
+            except Exception as exc:  # noqa: BLE001 - as in _persist_loop: the thread goes on
+                if self._persisted(image.step):  # only telling the master failed
+                    _log.error("step %d is persisted to %s: %s", image.step, folder, exc)
+                else:
+                    self._persist_failed(image.step, exc)
+
+    def _on_disk(self) -> str:
+        """What a persist failure leaves to restore from disk."""
+        newest = persist.newest_persisted(self.persist_dir)
+        if newest is None:
+            return f"no step is complete on disk under {self.persist_dir}"
+        return f"the newest complete step on disk is {newest[0]} ({newest[1]})"
+
+    def _persist_failed(self, step: int, exc: BaseException) -> None:
+        """Say why `step` is not on disk and what is, and remove its
+        incomplete folder: it can never complete without this rank's part,
+        and on a full disk its bytes would make every later step fail too.
+        Training goes on; the complete folders are untouched."""
+        folder = persist.step_folder(self.persist_dir, step)
+        partial = persist.partial_folder(folder)
+        shutil.rmtree(partial, ignore_errors=True)
+        on_disk = self._on_disk()
+        _log.error(
+            "persisting step %d to %s failed: %s; its incomplete folder is removed, training "
+            "goes on; %s",
+            step,
+            folder,
+            _disk_error(exc),
+            on_disk,
+        )
 
     def _all_parts_written(self, image: ImageFile, folder: Path) -> bool:
         """Wait for the other ranks' parts of `image`'s step, until they are all
@@ -365,15 +525,10 @@ class Checkpointer:
             else f"the parts of ranks {missing} did not come within {waited:.0f}s "
             "(did those ranks stop before their Checkpointer closed?)"
         )
-        newest = persist.newest_persisted(self.persist_dir)
-        on_disk = (
-            f"the newest complete step on disk is {newest[0]} ({newest[1]})"
-            if newest is not None
-            else f"no step is complete on disk under {self.persist_dir}"
-        )
+        on_disk = self._on_disk()
         return (
-            f"step {image.step} is not persisted: {why}; {folder} stays incomplete "
-            f"(no {persist.METADATA}) and is never loaded; {on_disk}"
+            f"step {image.step} is not persisted: {why}; {persist.partial_folder(folder)} "
+            f"stays incomplete and is never loaded; {on_disk}"
         )
 
     def _finish(self, image: ImageFile, folder: Path) -> None:
@@ -399,7 +554,11 @@ class Checkpointer:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Preempted (the agent stops its workers with SIGTERM, then SIGKILL
         after a grace period): persist the newest image first, if it is not
-        on disk yet, then go on as the previous handler would."""
+        on disk yet, then go on as the previous handler would. The newest
+        save may still be sealing (its checksums run in the background):
+        wait for it, within the same bound, so its step is the one kept."""
+        with self._acked:
+            self._acked.wait_for(lambda: self._sealing is None, SIGTERM_PERSIST_S)
         image = self._last_image
         if image is not None and not self._persisted(image.step):
             with self._acked:
@@ -442,6 +601,7 @@ class Checkpointer:
         torch.distributed.checkpoint.state_dict's get_state_dict for sharded
         models), it is loaded in place and returned; without, the saved
         nested state dict is rebuilt (replicated state only)."""
+        self._settle(raise_error=False)  # an image of the round that ended, still being finished
         self._check_location(_context()[2])
         restored = self._load(state)
         # The lineage goes on from the restored step: saves of later steps
@@ -455,33 +615,76 @@ class Checkpointer:
     def _load(self, state: dict[str, Any] | None) -> Restored | None:
         rank, world, _ = _context()
         before = 0
+        ceiling: list[int] = []  # the master's restart-loop ceiling, once told
         for _ in range(_ATTEMPTS):
-            step, addresses = _agree(self._newest_in_memory(before))
+            step, addresses = _agree(self._newest_in_memory(before, ceiling))
             if step < 0:
                 break
             restored = self._try(self._from_memory, step, addresses, state, rank, world)
             if restored is not None:
                 return restored
             before = step
-        step = _agree_step(self._newest_on_disk())
-        if step < 0:
-            return None
-        restored = self._try(self._from_disk, step, [], state, rank, world)
-        if restored is None:
-            raise CheckpointError(f"persisted step {step} could not be read by every rank")
-        return restored
+        # The breaker's ceiling holds on disk too: a step at or above it is
+        # the one the job keeps failing after.
+        below: int | None = ceiling[0] if ceiling else None
+        for _ in range(_ATTEMPTS):
+            # Rank 0 verifies and chooses; the others take its choice.
+            alone = rank == 0 or _group_size() == 1
+            step = _agree_step(self._newest_on_disk(below) if alone else -1)
+            if step < 0:
+                return None
+            restored = self._try(self._from_disk, step, [], state, rank, world)
+            if restored is not None:
+                return restored
+            below = step
+        raise CheckpointError(
+            f"no persisted step could be read by every rank (the last tried: {below})"
+        )
 
-    def _newest_in_memory(self, before: int) -> checkpoint_pb2.CheckpointRecord | None:
+    def _newest_in_memory(
+        self, before: int, ceiling: list[int]
+    ) -> checkpoint_pb2.CheckpointRecord | None:
+        """The master's newest restorable step below `before` (0: any); a
+        restart-loop ceiling it names is put in `ceiling`."""
         master = os.environ.get(MASTER_ENV)
         if not master or self._private:
             return None
         with MasterClient(master, token=self._token) as client:
             record = client.latest_checkpoint(before_step=before)
+        if record.below_step > 0 and not ceiling:
+            _log.warning(
+                "restart loop: restoring a step below %d, the step the job keeps failing after",
+                record.below_step,
+            )
+            ceiling.append(record.below_step)
         return record if record.found else None
 
-    def _newest_on_disk(self) -> int:
-        found = persist.newest_persisted(self.persist_dir)
-        return found[0] if found else -1
+    def _newest_on_disk(self, below: int | None) -> int:
+        """The newest complete folder below step `below` that its manifest
+        verifies (rank 0 looks; the others read what it chose). Each folder
+        passed over is said, with the file that failed."""
+        folders = persist.complete_folders(self.persist_dir)
+        paths = dict(folders)
+        candidates = [
+            Candidate(
+                Rung.PERSISTED if step == folders[-1][0] else Rung.OLDER_PERSISTED, step, str(path)
+            )
+            for step, path in folders
+        ]
+
+        def verify(candidate: Candidate) -> Verification:
+            try:
+                persist.verify_folder(paths[candidate.step])
+            except PersistCorruptError as exc:
+                return Rejected(Skip.CHECKSUM, str(exc))
+            except OSError as exc:
+                return Rejected(Skip.MISSING, str(exc))
+            return Verified()
+
+        descent = descend(candidates, verify, below_step=below)
+        if descent.passed and any(p.why is not Skip.ABOVE_BREAKER for p in descent.passed):
+            _log.warning("%s", descent.describe())
+        return descent.chosen.step if descent.chosen is not None else -1
 
     def _try(
         self,
@@ -540,6 +743,8 @@ class Checkpointer:
                 if stored.header.step == step:
                     try:
                         found.append(LocalImage(stored.header_path))
+                    except ImageCorruptError as exc:
+                        _log.warning("passing over a damaged image: %s", exc)
                     except (OSError, CheckpointError):
                         continue  # reused while we looked
         return found
@@ -562,6 +767,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Persist the last image (when persisting), then stop the helpers."""
+        self._settle(raise_error=False)
+        self._seals.put(None)
         if self.persist_every and self._last_image is not None:
             image = self._last_image
             with self._lock:
@@ -590,6 +797,18 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------ helpers
+
+
+def _disk_error(exc: BaseException) -> str:
+    """What went wrong, by the file system's own error where there is one:
+    torch.save reports a full disk as a RuntimeError about zip positions,
+    raised while handling the OSError that says it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return str(seen) if seen is exc else f"{seen} ({exc})"
+        seen = seen.__cause__ or seen.__context__
+    return str(exc)
 
 
 def _context() -> tuple[int, int, int]:

@@ -14,6 +14,11 @@ class ImageFormatError(CheckpointError):
     """A header or body is not a complete dlfleet image (corrupt, truncated, foreign)."""
 
 
+class ImageCorruptError(ImageFormatError):
+    """An item's bytes do not match the checksum its writer computed: the
+    image was damaged in memory, on disk or on the way."""
+
+
 class ImageChangedError(CheckpointError):
     """An image was overwritten by a newer save while it was being read."""
 
@@ -32,6 +37,10 @@ class TemplateRequiredError(RestoreError):
 
 class PersistError(CheckpointError):
     """A persisted checkpoint folder could not be written or read."""
+
+
+class PersistCorruptError(PersistError):
+    """A complete folder's file is missing, or does not match its manifest."""
 
 
 class PersistTimeoutError(PersistError):

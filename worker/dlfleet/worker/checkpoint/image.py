@@ -30,13 +30,14 @@ import math
 import mmap
 import os
 import secrets
+import threading
+import time
 import warnings
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -185,7 +186,6 @@ class ImageWriter:
         rank: int,
         slots: int = 2,
         *,
-        checksum: bool = False,
         pin_memory: bool = True,
     ) -> None:
         if rank < 0:
@@ -195,9 +195,9 @@ class ImageWriter:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.rank = rank
-        self._checksum = checksum
         self._pin = pin_memory
         self._slots = [_Slot(directory / files.body_name(rank, s)) for s in range(slots)]
+        self._pending: PendingImage | None = None
         # A restarted worker finds the images of its predecessor: they may hold the
         # committed step, so they are adopted, never cleared.
         for image in files.list_images(directory, rank):
@@ -229,6 +229,36 @@ class ImageWriter:
         """Copy `state_dict` into the slot not holding step `protect`; return
         where it is. With `stripe`, large plain tensors are cut among the
         node's ranks (see the module's doc)."""
+        pending = self.begin(
+            step, state_dict, round=round, world_size=world_size, protect=protect, stripe=stripe
+        )
+        return pending.finish()
+
+    def begin(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        *,
+        round: int,
+        world_size: int,
+        protect: int | None,
+        stripe: Stripe | None = None,
+        defer: Callable[[torch.Tensor], bool] | None = None,
+        sum_later: bool = False,
+    ) -> PendingImage:
+        """Start an image of `state_dict`: what `defer` does not claim is
+        copied now, the tensors it claims (`defer(tensor)` is True: tensors
+        that will not change until the caller waits, e.g. parameters and
+        optimizer state until the next `optimizer.step()`) are copied in the
+        background. With `sum_later`, the checksums of what is copied now
+        are computed in the background too (from the copy, which nothing
+        else writes). The image exists once `PendingImage.finish()` wrote its
+        header; until then, and if the copy fails or the process dies, the
+        slot holds no image at all. One image at a time per writer."""
+        if self._pending is not None and not self._pending.ended:
+            raise SlotError(
+                f"rank {self.rank}: the image of step {self._pending.step} is unfinished"
+            )
         if step < 0 or round < 0:
             raise ValueError(f"step and round must be >= 0, got step {step}, round {round}")
         if not 0 <= self.rank < world_size:
@@ -250,8 +280,9 @@ class ImageWriter:
         body = slot.ensure(nbytes, self._pin)
         nonce = secrets.randbits(63)
         body[: files.PREAMBLE_BYTES].copy_(_as_bytes(files.preamble(nonce)))
-        _copy_items(body, planned)
-        crc = zlib.crc32(body[:nbytes].numpy().data) if self._checksum else None
+        later = [
+            i for i, p in enumerate(planned) if defer is not None and _deferrable(p.data, defer)
+        ]
         header = ImageHeader(
             step=step,
             rank=self.rank,
@@ -262,16 +293,25 @@ class ImageWriter:
             body_nbytes=nbytes,
             items=tuple(p.record for p in planned),
             paths=paths,
-            crc32=crc,
         )
-        tmp = header_path.with_name(header_path.name + ".tmp")
-        tmp.write_bytes(files.encode_header(header))
-        tmp.replace(header_path)
-        slot.header = header
-        return self._image_file(index, header)
+        pending = PendingImage(self, index, header_path, header)
+        self._pending = pending
+        deferred = set(later)
+        now = [p for i, p in enumerate(planned) if i not in deferred]
+        if sum_later:
+            _copy_items(body, now, digest=False)
+            pending.start(body, [planned[i] for i in later], unsummed=now)
+        else:
+            pending.add(now, _copy_items(body, now))
+            if later:
+                pending.start(body, [planned[i] for i in later])
+        return pending
 
     def close(self) -> None:
-        """Unmap the slots; the files stay, for the agent."""
+        """Unmap the slots (after an unfinished image's copy ended: it stays
+        unfinished); the files stay, for the agent."""
+        if self._pending is not None:
+            self._pending.wait(raise_error=False)
         for slot in self._slots:
             slot.close()
 
@@ -308,6 +348,164 @@ class ImageWriter:
             world_size=header.world_size,
             nbytes=header.body_nbytes,
         )
+
+
+class PendingImage:
+    """An image being written (`ImageWriter.begin`): its deferred tensors are
+    copied on a thread of its own (a CUDA tensor on a side stream that first
+    waits for the work queued before the save), each piece summed as it is
+    copied; `finish` waits for that copy and writes the header, which makes
+    the image exist."""
+
+    def __init__(
+        self, writer: ImageWriter, slot: int, header_path: Path, header: ImageHeader
+    ) -> None:
+        self._writer = writer
+        self._slot = slot
+        self._header_path = header_path
+        self._header = header
+        self.step = header.step
+        self.finished = False  # the header is written: the image exists
+        self.ended = False  # finished, or abandoned: the writer may begin another
+        self._digests: dict[str, tuple[int, ...]] = {}  # by item key
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()  # every deferred source was read
+        # When every deferred tensor is on one CUDA device: their copies are
+        # queued on the side stream, behind which `_queued_event` is recorded.
+        self._queued = threading.Event()
+        self._queued_event: Any = None
+        self._device: torch.device | None = None
+        # Seconds from begin() until every source was read, until the header was written.
+        self._began = time.perf_counter()
+        self.copied_s: float | None = None
+        self.ready_s: float | None = None
+        self._error: BaseException | None = None
+
+    def add(self, planned: Sequence[_Planned], digests: list[tuple[int, ...]]) -> None:
+        for p, d in zip(planned, digests, strict=True):
+            self._digests[_key(p.record)] = d
+
+    def start(
+        self, body: torch.Tensor, planned: list[_Planned], unsummed: Sequence[_Planned] = ()
+    ) -> None:
+        """Copy `planned` on a thread (summing each piece), then sum the
+        `unsummed` items already in `body`."""
+        stream = _side_stream(planned)
+        devices = {p.data.device for p in planned if isinstance(p.data, torch.Tensor)}
+        if stream is not None and len(devices) == 1:
+            (self._device,) = devices
+
+        def queued() -> None:
+            if self._device is not None:
+                event = cast(Any, torch.cuda).Event()
+                event.record(stream)
+                self._queued_event = event
+            self._queued.set()
+
+        def copy() -> None:
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    digests = _copy_items(body, planned, stream, self._mark_copied, queued=queued)
+                    self.add(planned, digests)
+                self._mark_copied()
+                self.add(unsummed, _digests(body.numpy().data, unsummed))
+            except BaseException as exc:  # noqa: BLE001 - raised again by finish()
+                self._error = exc
+            finally:
+                self._queued.set()
+                self._copied.set()
+
+        self._thread = threading.Thread(target=copy, name="dlfleet-image-copy", daemon=True)
+        self._thread.start()
+
+    def _mark_copied(self) -> None:
+        if not self._copied.is_set():
+            self.copied_s = time.perf_counter() - self._began
+            self._copied.set()
+
+    @property
+    def copied(self) -> bool:
+        """The deferred tensors are copied: they may change now (their
+        checksums may still be under way)."""
+        return self._thread is None or self._copied.is_set()
+
+    def wait_copied(self, *, raise_error: bool = True) -> None:
+        """Until the deferred tensors are copied (before they change: the
+        optimizer's next step)."""
+        if self._thread is not None:
+            self._copied.wait()
+        if raise_error and self._error is not None:
+            raise self._error
+
+    def hold_step(self) -> None:
+        """Before the deferred tensors change (an optimizer step): when they
+        are all on one CUDA device, the current stream waits for their
+        copies on the device (the CPU only until the copies are queued: the
+        step's kernels follow them, forward and backward went on meanwhile);
+        otherwise the CPU waits for the copy."""
+        if self._thread is None or self._copied.is_set():
+            return
+        if self._device is not None:
+            self._queued.wait()
+            event = self._queued_event
+            if event is not None:
+                cast(Any, torch.cuda).current_stream(self._device).wait_event(event)
+                return
+        self._copied.wait()
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Until the copy and its checksums are done."""
+        if self._thread is not None:
+            self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        """Give up this image (its finish failed): once its copy ended, the
+        writer may begin another; its slot holds no image."""
+        self.wait(raise_error=False)
+        self.ended = True
+
+    def finish(self) -> ImageFile:
+        """Wait for the copy and its checksums, then write the header: the
+        image exists."""
+        self.wait()
+        header = replace(
+            self._header,
+            items=tuple(replace(i, digests=self._digests[_key(i)]) for i in self._header.items),
+        )
+        tmp = self._header_path.with_name(self._header_path.name + ".tmp")
+        tmp.write_bytes(files.encode_header(header))
+        tmp.replace(self._header_path)
+        self._writer._slots[self._slot].header = header
+        self.finished = self.ended = True
+        self.ready_s = time.perf_counter() - self._began
+        if self.copied_s is None:  # copied in begin(), nothing deferred
+            self.copied_s = self.ready_s
+        return self._writer._image_file(self._slot, header)
+
+
+def _key(record: ItemRecord) -> str:
+    return f"{record.fqn}@{record.chunk_offsets}"
+
+
+def _deferrable(data: torch.Tensor | memoryview, defer: Callable[[torch.Tensor], bool]) -> bool:
+    return isinstance(data, torch.Tensor) and defer(data)
+
+
+def _side_stream(planned: list[_Planned]) -> Any:
+    """A CUDA stream for the deferred copies of device tensors, after the
+    work queued so far on the current stream (which computed them); None
+    when no deferred tensor is on a device."""
+    devices = {
+        p.data.device for p in planned if isinstance(p.data, torch.Tensor) and p.data.is_cuda
+    }
+    if not devices:
+        return None
+    device = next(iter(devices))
+    stream = cast(Any, torch.cuda).Stream(device=device)  # torch.cuda.Stream is untyped
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
 
 
 class ImageSource(Protocol):
@@ -358,7 +556,8 @@ class _BufferImage:
 
 
 class LocalImage(_BufferImage):
-    """An image in this node's files, memory-mapped copy-on-write (never written)."""
+    """An image in this node's files, memory-mapped copy-on-write (never
+    written); its items verified against their checksums when opened."""
 
     def __init__(self, header_path: Path) -> None:
         header = files.read_header(header_path)
@@ -371,6 +570,7 @@ class LocalImage(_BufferImage):
                 f"no body of {header.body_nbytes} bytes at {self.body_path}"
             ) from e
         files.check_body(header, self._map)
+        files.verify_items(header, self._map)
         super().__init__(header, torch.frombuffer(self._map, dtype=torch.uint8))
 
     @property
@@ -384,11 +584,13 @@ class LocalImage(_BufferImage):
 
 
 class BytesImage(_BufferImage):
-    """An image held in memory, e.g. fetched from a peer: its header and body bytes."""
+    """An image held in memory, e.g. fetched from a peer: its header and body
+    bytes, verified against their checksums."""
 
     def __init__(self, header: bytes, body: bytes | bytearray | memoryview) -> None:
         decoded = files.decode_header(header)
         files.check_body(decoded, body)
+        files.verify_items(decoded, body)
         view = _as_bytes(body)
         if view.data_ptr() % _ELEMENT_ALIGNMENT:
             # Items are aligned within the body; a body at an odd address (a slice of
@@ -506,18 +708,36 @@ def _is_primary(value: object, rank: int) -> bool:
     )
 
 
-def _copy_items(body: torch.Tensor, planned: list[_Planned]) -> None:
-    """Copy every item into its span of `body`: host memory with memmove (split
-    over torch's intra-op threads when it has several), device memory with
-    asynchronous copies into the (pinned) body, waited for at the end."""
+def _copy_items(
+    body: torch.Tensor,
+    planned: list[_Planned],
+    stream: Any = None,
+    copied: Callable[[], None] | None = None,
+    *,
+    digest: bool = True,
+    queued: Callable[[], None] | None = None,
+) -> list[tuple[int, ...]]:
+    """Copy every item into its span of `body` and sum each piece copied
+    (`files.piece_digests`): host memory with memmove, a piece per task over
+    torch's intra-op threads when it has several, each task summing the piece
+    it just wrote while it is still warm in the cache; device memory with
+    asynchronous copies into the (pinned) body (on `stream` when given: the
+    caller made it current), waited for, then summed in pieces over the same
+    threads. `copied` is called once every source was read (they may change
+    from then on) and before the summing of device items; `queued` once the
+    device copies are queued (before the host ones). Returns each item's
+    checksums (none without `digest`: `_digests` sums the copy later)."""
     devices: set[torch.device] = set()
-    spans: list[tuple[int, int, int]] = []  # (to, from, nbytes), host memory
-    keep: list[torch.Tensor] = []  # the sources of `spans`, alive until copied
+    pieces: list[_Piece] = []  # host memory
+    keep: list[torch.Tensor] = []  # the sources of `pieces`, alive until copied
+    later: list[int] = []  # the items summed once every copy is done
     base = body.data_ptr()
-    for p in planned:
+    view = body.numpy().data
+    for index, p in enumerate(planned):
         span = body[p.record.offset : p.record.offset + p.record.length]
         if isinstance(p.data, memoryview):
             span.copy_(_as_bytes(p.data))
+            later.append(index)
             continue
         data = p.data.detach()
         if (
@@ -526,38 +746,94 @@ def _copy_items(body: torch.Tensor, planned: list[_Planned]) -> None:
             and data.is_contiguous()
             and not (data.is_conj() or data.is_neg())
         ):
-            spans.append((base + p.record.offset, data.data_ptr(), p.record.length))
+            start, end = p.record.offset, p.record.offset + p.record.length
+            # A piece of the copy is a piece of the item's checksums.
+            piece_bytes = files.DIGEST_PIECE_BYTES
+            for at in range(start, max(end, start + 1), piece_bytes):
+                till = min(end, at + piece_bytes)
+                pieces.append(_Piece(index, base + at, data.data_ptr() + at - start, view[at:till]))
             keep.append(data)
             continue
         target = span.view(data.dtype).view(data.shape)
         if data.is_cuda:
             devices.add(data.device)
         target.copy_(data, non_blocking=data.is_cuda)
-    _memmove_all(spans, torch.get_num_threads())
+        later.append(index)
+    if queued is not None:
+        queued()
+    sums = _copy_and_sum(pieces, torch.get_num_threads(), digest=digest)
     del keep
-    for device in devices:
-        torch.cuda.synchronize(device)
+    if stream is not None:
+        stream.synchronize()  # the side stream's copies only, not the training's work
+    else:
+        for device in devices:
+            torch.cuda.synchronize(device)
+    if copied is not None:
+        copied()
+    if not digest:
+        return []
+    digests: list[list[int]] = [[] for _ in planned]
+    for piece, value in zip(pieces, sums, strict=True):
+        digests[piece.item].append(value)
+    for index, sums_of_item in zip(later, _digests(view, [planned[i] for i in later]), strict=True):
+        digests[index].extend(sums_of_item)
+    return [tuple(d) for d in digests]
 
 
-def _memmove_all(spans: list[tuple[int, int, int]], threads: int) -> None:
-    """glibc's memmove streams large copies past the cache, faster than a
-    tensor copy_ (about 1.3x here); the GIL is released while it runs."""
-    total = sum(n for _, _, n in spans)
-    if threads <= 1 or total < 2 * _PARALLEL_COPY_BYTES:
-        for to, from_, n in spans:
-            ctypes.memmove(to, from_, n)
-        return
-    pieces = [
-        (to + at, from_ + at, min(_PARALLEL_COPY_BYTES, n - at))
-        for to, from_, n in spans
-        for at in range(0, n, _PARALLEL_COPY_BYTES)
+def _digests(view: memoryview, planned: Sequence[_Planned]) -> list[tuple[int, ...]]:
+    """The checksums of each item of `planned` as `view` (the body) holds it,
+    a piece at a time."""
+    spans = [
+        (index, view[at : min(end, at + files.DIGEST_PIECE_BYTES)])
+        for index, p in enumerate(planned)
+        for end in [p.record.offset + p.record.length]
+        for at in range(p.record.offset, max(end, p.record.offset + 1), files.DIGEST_PIECE_BYTES)
     ]
-    pool = _copy_pool(threads)
-    for _ in pool.map(lambda piece: ctypes.memmove(*piece), pieces):
-        pass
+    digests: list[list[int]] = [[] for _ in planned]
+    for (index, _), value in zip(spans, _sum_all([span for _, span in spans]), strict=True):
+        digests[index].append(value)
+    return [tuple(d) for d in digests]
 
 
-_PARALLEL_COPY_BYTES = 64 * 2**20  # a piece of a copy split over threads
+def _sum_all(spans: list[memoryview]) -> list[int]:
+    """The checksums of `spans`, over torch's intra-op threads when it has
+    several and there is enough to sum (the sum releases the GIL)."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or sum(len(span) for span in spans) < 2 * files.DIGEST_PIECE_BYTES:
+        return [files.digest(span) for span in spans]
+    return list(_copy_pool(threads).map(files.digest, spans))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One piece of a host-memory copy: `target` is its span of the body."""
+
+    item: int
+    to: int
+    from_: int
+    target: memoryview
+
+    def copy_and_sum(self) -> int:
+        ctypes.memmove(self.to, self.from_, len(self.target))
+        return files.digest(self.target)
+
+    def copy(self) -> int:
+        ctypes.memmove(self.to, self.from_, len(self.target))
+        return 0
+
+
+def _copy_and_sum(pieces: list[_Piece], threads: int, *, digest: bool = True) -> list[int]:
+    """glibc's memmove streams large copies past the cache, faster than a
+    tensor copy_ (about 1.3x here); memmove and the sum both release the GIL
+    while they run, so the pieces go over threads. Without `digest`, the
+    copy only (and zeros)."""
+    work = _Piece.copy_and_sum if digest else _Piece.copy
+    total = sum(len(piece.target) for piece in pieces)
+    if threads <= 1 or total < 2 * files.DIGEST_PIECE_BYTES:
+        return [work(piece) for piece in pieces]
+    return list(_copy_pool(threads).map(work, pieces))
+
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 

@@ -6,10 +6,18 @@ by DCP's `FileSystemWriter`, and `.metadata`. Plain `dcp.load` and
 
 No collective runs. Each rank writes its part from its image (only its primary
 copies: rank 0 keeps replicated values, the first replica keeps each DTensor
-shard) and records its write results in a small part file; the finishing rank
-(rank 0) waits, for a bounded time, for the parts of every rank of the saving
-world and writes `.metadata` last, by rename. Invariant: a folder with
-`.metadata` is complete, one without is not.
+shard) into `<root>/step-<step:010d>.partial/`, and records its write results
+and the checksums of the files it wrote in a small part file; the finishing
+rank (rank 0) waits, for a bounded time, for the parts of every rank of the
+saving world, writes the manifest (`.dlfleet-manifest`: each data file's size
+and xxh3 checksum) and `.metadata`, fsyncs, and renames the folder to its
+final name. Invariants: a folder under its final name is complete (it has
+`.metadata`), so the newest one is never half written whenever a writer
+died; a `.partial` folder is never loaded.
+
+A restore verifies a folder against its manifest before it reads it
+(`verify_folder`): a file truncated or damaged on disk is named, and the
+restore falls back to an older folder.
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +58,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dlfleet.worker.checkpoint.errors import (
+    PersistCorruptError,
     PersistError,
     PersistTimeoutError,
     TemplateRequiredError,
 )
 from dlfleet.worker.checkpoint.files import (
+    DIGEST_PIECE_BYTES,
     ImageHeader,
     ItemKind,
     ItemRecord,
     ObjectPath,
     decode_header,
+    digest,
     encode_header,
 )
 from dlfleet.worker.checkpoint.image import ImageSource, dtype_of
@@ -69,11 +82,21 @@ METADATA = ".metadata"
 # Which tensors of a dlfleet folder are DTensor shards (the others, even in
 # several chunks, are plain tensors cut among a node's ranks: see image.Stripe).
 SHARDED = ".dlfleet-sharded"
+# Each data file of the folder: its size and checksums (see `verify_folder`).
+MANIFEST = ".dlfleet-manifest"
+MANIFEST_FORMAT = "dlfleet-manifest/1"
 _PREFIX = "step-"
+_PARTIAL = ".partial"
 
 
 def step_folder(root: Path, step: int) -> Path:
+    """Where step `step` is, once complete."""
     return root / f"{_PREFIX}{step:010d}"
+
+
+def partial_folder(folder: Path) -> Path:
+    """Where the ranks write the parts of `folder` until it is complete."""
+    return folder.with_name(folder.name + _PARTIAL)
 
 
 def persist(
@@ -96,16 +119,20 @@ def write_part(source: ImageSource, root: Path, *, sync_files: bool = True) -> P
     folder = step_folder(root, header.step)
     if (folder / METADATA).is_file():
         return folder  # persisted already: a complete folder is never rewritten
-    writer = FileSystemWriter(folder, sync_files=sync_files, overwrite=True)
+    partial = partial_folder(folder)
+    writer = FileSystemWriter(partial, sync_files=sync_files, overwrite=True)
     writer.set_up_storage_writer(header.rank == 0, rank=header.rank, use_collectives=False)
     records = [item for item in header.items if item.primary]
     plan = writer.prepare_local_plan(SavePlan([_write_item(item) for item in records]))
     results = writer.write_data(plan, _ImagePlanner(source, records)).wait()
     # A save that reused the slot meanwhile tore what was written: no part, no folder.
     source.check_unchanged()
-    part = _part_path(folder, header.rank)
+    written = sorted({str(result.storage_data.relative_path) for result in results})
+    sums = {name: file_sums(partial / name) for name in written}
+    part = _part_path(partial, header.rank)
     tmp = part.with_name(part.name + ".tmp")
-    tmp.write_bytes(pickle.dumps({"header": encode_header(header), "results": results}))
+    data = {"header": encode_header(header), "results": results, "files": sums}
+    tmp.write_bytes(pickle.dumps(data))
     tmp.replace(part)
     return folder
 
@@ -122,29 +149,93 @@ def finish(
 ) -> Path:
     """Wait for the parts of ranks 0..world_size-1 of `round`, then write `.metadata`."""
     deadline = clock() + timeout
+    partial = partial_folder(folder)
     while True:
         if (folder / METADATA).is_file():
             return folder  # finished already: a complete folder is never rewritten
-        parts = _read_parts(folder, world_size, round)
+        parts = _read_parts(partial, world_size, round)
         missing = _missing(parts, world_size)
         if not missing:
             break
         if clock() >= deadline:
             raise PersistTimeoutError(
                 f"{folder}: waited {timeout:.0f}s for the parts of ranks {missing} "
-                f"of round {round}; the folder stays incomplete (no {METADATA})"
+                f"of round {round}; the folder stays incomplete ({partial.name})"
             )
         sleep(poll)
-    headers = [parts[r][0] for r in range(world_size)]
+    headers = [parts[r].header for r in range(world_size)]
     metadata = _metadata(headers, folder)
     sharded = sorted({i.fqn for h in headers for i in h.items if i.kind is ItemKind.SHARD})
-    (folder / SHARDED).write_text(json.dumps(sharded))
-    writer = FileSystemWriter(folder)
-    writer.set_up_storage_writer(True)
-    writer.finish(metadata, [parts[r][1] for r in range(world_size)])
+    _write_synced(partial / SHARDED, json.dumps(sharded).encode())
+    files: dict[str, dict[str, Any]] = {}
     for rank in range(world_size):
-        _part_path(folder, rank).unlink(missing_ok=True)
+        files.update(parts[rank].files)
+    manifest = {"format": MANIFEST_FORMAT, "piece_bytes": DIGEST_PIECE_BYTES, "files": files}
+    _write_synced(partial / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+    writer = FileSystemWriter(partial)  # fsyncs .metadata
+    writer.set_up_storage_writer(True)
+    writer.finish(metadata, [parts[r].results for r in range(world_size)])
+    for rank in range(world_size):
+        _part_path(partial, rank).unlink(missing_ok=True)
+    _fsync_dir(partial)
+    partial.rename(folder)
+    _fsync_dir(folder.parent)
     return folder
+
+
+def file_sums(path: Path) -> dict[str, Any]:
+    """The size of a file and the checksum of each DIGEST_PIECE_BYTES of it."""
+    sums = []
+    size = 0
+    with path.open("rb") as f:
+        while piece := f.read(DIGEST_PIECE_BYTES):
+            sums.append(digest(piece))
+            size += len(piece)
+    return {"bytes": size, "xxh3": sums}
+
+
+def verify_folder(folder: Path) -> None:
+    """Raise PersistCorruptError naming the first file of a complete folder
+    that is missing, of another size, or does not match its checksum. A
+    folder without a manifest (written by plain DCP, or by an older dlfleet)
+    has nothing to check against and passes."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return
+    except ValueError as e:
+        raise PersistCorruptError(f"{folder / MANIFEST} is not a manifest: {e}") from e
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("piece_bytes") != (
+        DIGEST_PIECE_BYTES
+    ):
+        raise PersistCorruptError(f"{folder / MANIFEST}: not a {MANIFEST_FORMAT} manifest")
+    for name, expected in sorted(manifest["files"].items()):
+        path = folder / name
+        try:
+            found = file_sums(path)
+        except FileNotFoundError:
+            raise PersistCorruptError(f"{path} is missing") from None
+        if found["bytes"] != expected["bytes"]:
+            raise PersistCorruptError(
+                f"{path} has {found['bytes']} bytes, its manifest says {expected['bytes']}"
+            )
+        if found["xxh3"] != expected["xxh3"]:
+            raise PersistCorruptError(f"{path} does not match its checksum")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def missing_parts(folder: Path, *, world_size: int, round: int) -> list[int]:
@@ -152,7 +243,7 @@ def missing_parts(folder: Path, *, world_size: int, round: int) -> list[int]:
     once the folder is complete)."""
     if (folder / METADATA).is_file():
         return []
-    return _missing(_read_parts(folder, world_size, round), world_size)
+    return _missing(_read_parts(partial_folder(folder), world_size, round), world_size)
 
 
 def _missing(parts: dict[int, Any], world_size: int) -> list[int]:
@@ -161,8 +252,12 @@ def _missing(parts: dict[int, Any], world_size: int) -> list[int]:
 
 def newest_persisted(root: Path) -> tuple[int, Path] | None:
     """The newest complete step folder under `root`, with its step."""
-    complete = [(step, path) for step, path in _step_folders(root) if (path / METADATA).is_file()]
-    return max(complete, default=None)
+    return max(complete_folders(root), default=None)
+
+
+def complete_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every complete step folder under `root`, with its step, oldest first."""
+    return [(step, path) for step, path in _step_folders(root) if (path / METADATA).is_file()]
 
 
 def load_persisted(state_dict: dict[str, Any], path: Path) -> None:
@@ -202,7 +297,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     """
     if keep < 1:
         raise ValueError(f"prune must keep at least one complete checkpoint, got keep={keep}")
-    folders = _step_folders(root)
+    folders = _step_folders(root, partial=True)
     complete = [step for step, path in folders if (path / METADATA).is_file()]
     kept = set(sorted(complete)[-keep:])
     newest = max(complete, default=-1)
@@ -287,9 +382,17 @@ def _part_path(folder: Path, rank: int) -> Path:
     return folder / f"__{rank}.dlfleet-part"
 
 
-def _read_parts(
-    folder: Path, world_size: int, round: int
-) -> dict[int, tuple[ImageHeader, list[WriteResult]]]:
+@dataclass(frozen=True)
+class _Part:
+    """What one rank wrote of a folder: its image's header, DCP's write
+    results and the checksums of its files."""
+
+    header: ImageHeader
+    results: list[WriteResult]
+    files: dict[str, dict[str, Any]]
+
+
+def _read_parts(folder: Path, world_size: int, round: int) -> dict[int, _Part]:
     parts = {}
     for rank in range(world_size):
         try:
@@ -299,16 +402,19 @@ def _read_parts(
         header = decode_header(data["header"])
         # A part of another round (an earlier, failed attempt) is stale: its rank writes again.
         if header.round == round and header.world_size == world_size:
-            parts[rank] = (header, data["results"])
+            parts[rank] = _Part(header, data["results"], data["files"])
     return parts
 
 
-def _step_folders(root: Path) -> list[tuple[int, Path]]:
+def _step_folders(root: Path, *, partial: bool = False) -> list[tuple[int, Path]]:
+    """The step folders under `root` (with `partial`, the unfinished ones too)."""
     if not root.is_dir():
         return []
     folders = []
     for path in root.iterdir():
         suffix = path.name.removeprefix(_PREFIX)
+        if partial:
+            suffix = suffix.removesuffix(_PARTIAL)
         if path.is_dir() and path.name.startswith(_PREFIX) and suffix.isdigit():
             folders.append((int(suffix), path))
     return sorted(folders)

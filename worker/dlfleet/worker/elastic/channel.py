@@ -10,11 +10,13 @@ collective; everything else is taken by the training thread from `next()`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -28,13 +30,75 @@ STACKS_SIGNAL = signal.SIGUSR1
 CALL_TIMEOUT_S = 10.0
 
 
+class WorkState(enum.Enum):
+    """Where a worker process stands, as its line says: it reports RUNNING,
+    ABORTED, FINISHED or FAILED for a round; ATTACHED is a line before any
+    order, ORDERED one the agent sent a Run order and that has not answered."""
+
+    ATTACHED = "attached"
+    ORDERED = "ordered"
+    RUNNING = "running"
+    ABORTED = "aborted"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Enter round `order.round` with the rank, store and environment it names."""
+
+    order: checkpoint_pb2.RunOrder
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Leave round `round` (a peer is gone, or the round closed)."""
+
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """Exit with `code`."""
+
+    code: int
+
+
+# What the agent orders a worker process to do, as the two sides mean it; the
+# wire's `WorkerOrder` oneof is written and read only by the two functions
+# below.
+Order = Run | Abort | Exit
+
+
+def order_to_wire(order: Order) -> checkpoint_pb2.WorkerOrder:
+    if isinstance(order, Run):
+        return checkpoint_pb2.WorkerOrder(run=order.order)
+    if isinstance(order, Abort):
+        abort = checkpoint_pb2.AbortOrder(round=order.round, reason=order.reason)
+        return checkpoint_pb2.WorkerOrder(abort=abort)
+    return checkpoint_pb2.WorkerOrder(exit=checkpoint_pb2.ExitOrder(code=order.code))
+
+
+def order_from_wire(order: checkpoint_pb2.WorkerOrder) -> Order | None:
+    """None for an order of a kind this worker does not know."""
+    kind = order.WhichOneof("order")
+    if kind == "run":
+        return Run(order.run)
+    if kind == "abort":
+        return Abort(order.abort.round, order.abort.reason)
+    if kind == "exit":
+        return Exit(order.exit.code)
+    return None
+
+
 class AgentChannel:
     def __init__(self, address: str, *, token: str, pid: int, spare: bool) -> None:
         self.address = address
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._channel = grpc.insecure_channel(address)
         self._stub = checkpoint_pb2_grpc.KeeperStub(self._channel)
-        self._orders: queue.Queue[checkpoint_pb2.WorkerOrder | None] = queue.Queue()
+        self._orders: queue.Queue[Order | None] = queue.Queue()
         self._lock = threading.Lock()
         self._aborted_round = -1  # the newest round an abort order named
         self._abort_seen = threading.Condition(self._lock)
@@ -47,7 +111,7 @@ class AgentChannel:
 
     # ----------------------------------------------------------------- orders
 
-    def next(self, timeout_s: float | None = None) -> checkpoint_pb2.WorkerOrder | None:
+    def next(self, timeout_s: float | None = None) -> Order | None:
         """The next order; None when the agent is gone. Raises queue.Empty
         after `timeout_s`."""
         return self._orders.get(timeout=timeout_s)
@@ -65,9 +129,13 @@ class AgentChannel:
 
     def _listen(self) -> None:
         try:
-            for order in self._stream:
-                if order.WhichOneof("order") == "abort":
-                    self._note_abort(order.abort.round)
+            for received in self._stream:
+                order = order_from_wire(received)
+                if order is None:
+                    _log.warning("ignoring an order of an unknown kind from the agent")
+                    continue
+                if isinstance(order, Abort):
+                    self._note_abort(order.round)
                 self._orders.put(order)
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.CANCELLED:
@@ -84,12 +152,14 @@ class AgentChannel:
 
     # ------------------------------------------------------------------ calls
 
-    def report(self, round_: int, state: str, detail: str = "", *, pid: int) -> None:
-        request = checkpoint_pb2.WorkerState(pid=pid, round=round_, state=state, detail=detail)
+    def report(self, round_: int, state: WorkState, detail: str = "", *, pid: int) -> None:
+        request = checkpoint_pb2.WorkerState(
+            pid=pid, round=round_, state=state.value, detail=detail
+        )
         try:
             self._stub.Report(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
-            _log.warning("could not tell the agent %s: %s", state, exc.code().name)
+            _log.warning("could not tell the agent %s: %s", state.value, exc.code().name)
 
     def saved(self, notice: checkpoint_pb2.SavedNotice) -> checkpoint_pb2.SavedAck:
         response: checkpoint_pb2.SavedAck = self._stub.Saved(

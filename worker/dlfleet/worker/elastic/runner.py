@@ -50,7 +50,7 @@ from dlfleet.api.errors import DlfleetError, StaleError
 from dlfleet.api.v1 import checkpoint_pb2
 from dlfleet.worker import progress
 from dlfleet.worker.elastic.abort import CollectiveAbort
-from dlfleet.worker.elastic.channel import STACKS_SIGNAL, AgentChannel
+from dlfleet.worker.elastic.channel import STACKS_SIGNAL, Abort, AgentChannel, Exit, WorkState
 
 _log = logging.getLogger("dlfleet.elastic")
 
@@ -268,13 +268,12 @@ class _InProcess:
             if order is None:
                 _log.error("the node agent is gone; exiting")
                 raise SystemExit(EXIT_AGENT_GONE)
-            kind = order.WhichOneof("order")
-            if kind == "exit":
-                raise SystemExit(order.exit.code)
-            if kind == "abort":  # nothing is running: already where it wants us
-                self.channel.report(order.abort.round, "aborted", pid=self.pid)
+            if isinstance(order, Exit):
+                raise SystemExit(order.code)
+            if isinstance(order, Abort):  # nothing is running: already where it wants us
+                self.channel.report(order.round, WorkState.ABORTED, pid=self.pid)
                 continue
-            return order.run
+            return order.order
 
     def _initialize(self, order: checkpoint_pb2.RunOrder, index: int) -> Attempt | None:
         """Initialize: this round's environment, store and process group.
@@ -299,7 +298,7 @@ class _InProcess:
         )
         self.abort.before_init()
         if self.channel.aborted(order.round):
-            self.channel.report(order.round, "aborted", pid=self.pid)
+            self.channel.report(order.round, WorkState.ABORTED, pid=self.pid)
             return None
         try:
             if order.rank != 0:
@@ -328,14 +327,14 @@ class _InProcess:
             ):
                 _log.info("round %d ended while its process group formed: %s", order.round, exc)
                 self._destroy_group()
-                self.channel.report(order.round, "aborted", pid=self.pid)
+                self.channel.report(order.round, WorkState.ABORTED, pid=self.pid)
                 return None
             raise
         self.abort.arm(dist.group.WORLD)
         if self.channel.aborted(order.round):  # the abort came before arm()
             self.abort.abort()
         _current.attempt = attempt
-        self.channel.report(order.round, "running", pid=self.pid)
+        self.channel.report(order.round, WorkState.RUNNING, pid=self.pid)
         return attempt
 
     def _train(self, train: Callable[[Attempt], T], attempt: Attempt) -> object:
@@ -358,13 +357,13 @@ class _InProcess:
                 "round %d aborted (%s); waiting for the next round", attempt.round, summary
             )
             self._finish_attempt()
-            self.channel.report(attempt.round, "aborted", summary, pid=self.pid)
+            self.channel.report(attempt.round, WorkState.ABORTED, summary, pid=self.pid)
             # While the next round forms: the old attempt's cycles (a model
             # wrapper's hooks, buckets) go now, not in the middle of a step.
             gc.collect()
             return _ABORTED
         self._finish_attempt()
-        self.channel.report(attempt.round, "finished", pid=self.pid)
+        self.channel.report(attempt.round, WorkState.FINISHED, pid=self.pid)
         return result
 
     def _is_abort(self, exc: BaseException, round_: int) -> bool:

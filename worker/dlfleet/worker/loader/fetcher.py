@@ -42,7 +42,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from dlfleet.api.client import LeaseSession, MasterClient
+from dlfleet.api.client import (
+    LeaseAnswer,
+    LeaseSession,
+    MasterClient,
+    answers,
+    rank_lease_request,
+    round_lease_request,
+)
 from dlfleet.api.errors import StaleError
 from dlfleet.api.v1 import shards_pb2
 from dlfleet.worker.loader.environment import LoaderEnvironment, LoaderMode
@@ -181,18 +188,16 @@ class LeaseFetcher:
                 continue
             done = self._ledger.take_ready()
             try:
-                response = self._ask(session, done)
+                answer = self._ask(session, done)
             except BaseException:
                 self._ledger.retry(done)
                 raise
             self._ledger.confirm(done)
-            kind = response.WhichOneof("outcome")
-            if kind == "wait":
+            if isinstance(answer, answers.Wait):
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stopping, response.wait.retry_after_ms / 1000)
+                    self._cond.wait_for(lambda: self._stopping, answer.retry_after_ms / 1000)
                 continue
-            outcome = self._outcome(response, kind)
-            more = [self._leased(shard) for shard in response.more]
+            outcome, more = self._taken(answer)
             with self._cond:
                 self._position += 1 + len(more)
                 self._after_epoch = isinstance(outcome, EndOfEpoch)
@@ -203,27 +208,27 @@ class LeaseFetcher:
             if self._finished:
                 return
 
-    def _ask(self, session: LeaseSession, done: list[int]) -> shards_pb2.LeaseResponse:
+    def _ask(self, session: LeaseSession, done: list[int]) -> LeaseAnswer:
         if self._mode is LoaderMode.SYNC:
-            return session.lease_for_round(
-                self._dataset,
-                round=self._env.round,
-                position=self._position,
-                done=done,
-                count=self._count,
+            return session.ask(
+                round_lease_request(
+                    self._dataset, self._env.round, self._position, done, self._count
+                )
             )
-        return session.lease(
-            self._dataset, node_id=self._env.node_id, rank=self._env.rank, done=done
+        return session.ask(
+            rank_lease_request(self._dataset, self._env.node_id, self._env.rank, done, None)
         )
 
-    def _outcome(self, response: shards_pb2.LeaseResponse, kind: str | None) -> Outcome:
-        if kind == "shard":
-            return self._leased(response.shard)
-        if kind == "end_of_epoch":
-            return EndOfEpoch(response.end_of_epoch.epoch)
-        if kind == "end_of_dataset":
-            return EndOfDataset()
-        raise RuntimeError(f"unexpected lease answer {kind!r} for dataset {self._dataset!r}")
+    def _taken(
+        self, answer: answers.Leased | answers.EndOfEpoch | answers.EndOfDataset
+    ) -> tuple[Outcome, list[LeasedShard]]:
+        """What the consumer gets from an answer: its outcome, and the shards
+        leased with it for the positions after."""
+        if isinstance(answer, answers.Leased):
+            return self._leased(answer.shard), [self._leased(shard) for shard in answer.more]
+        if isinstance(answer, answers.EndOfEpoch):
+            return EndOfEpoch(answer.epoch), []
+        return EndOfDataset(), []
 
     def _leased(self, shard: shards_pb2.Shard) -> LeasedShard:
         self._ledger.add(shard.lease_id, shard.end - shard.start, shard.epoch, shard.start)

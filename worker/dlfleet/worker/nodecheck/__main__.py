@@ -23,7 +23,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dlfleet.api.client import MasterClient, RetryPolicy
+from dlfleet.api.client import CheckCompute, CheckPair, CheckVerdict, MasterClient, RetryPolicy
 from dlfleet.api.env import TOKEN_ENV
 from dlfleet.api.errors import NotFound, StaleError, Unavailable
 from dlfleet.api.v1 import nodecheck_pb2
@@ -83,17 +83,16 @@ class CheckProcess:
         done = 0
         report = self.report(0, ready=nodecheck_pb2.NodeCheckPoll())
         while True:
-            order = self.client.node_check_next(report, timeout_s=NEXT_TIMEOUT_S)
+            order = self.client.next_check_order(report, timeout_s=NEXT_TIMEOUT_S)
             if order.check_id != self.check_id:
                 _log.info("a new check (%s): starting over", order.check_id)
                 self.check_id, done = order.check_id, 0
-            what = order.WhichOneof("what")
-            if what == "verdict":
+            if isinstance(order, CheckVerdict):
                 return self.conclude(order.verdict)
-            if what == "compute":
+            if isinstance(order, CheckCompute):
                 done = order.order
-                report = self.measure_compute(done, order.compute)
-            elif what == "pair":
+                report = self.measure_compute(done, order)
+            elif isinstance(order, CheckPair):
                 done = order.order
                 ok, ms, error = self.probe.pair(order.pair)
                 how = f"{ms:.2f} ms" if ok else f"failed: {error}"
@@ -105,9 +104,7 @@ class CheckProcess:
             else:
                 report = self.report(done, poll=nodecheck_pb2.NodeCheckPoll())
 
-    def measure_compute(
-        self, done: int, order: nodecheck_pb2.ComputeOrder
-    ) -> nodecheck_pb2.NodeCheckReport:
+    def measure_compute(self, done: int, order: CheckCompute) -> nodecheck_pb2.NodeCheckReport:
         try:
             ms = self.probe.compute(order.size, order.repeats)
         except RuntimeError as error:  # a broken device
