@@ -15,7 +15,15 @@ set -euo pipefail
 K8S_VERSION=1.20.2
 DEB_VERSION=1.20.5+really1.20.2-1.1+deb12u1
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
-CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/dlfleet/kubernetes-v$K8S_VERSION
+# The build's name in the cache (tools/kubetest/cluster.py KUBE_BUILD): it
+# changes when the build does. Built with Debian's Go (1.19), v1.20.2's
+# vendored modern-go/reflect2 1.0.1 crashes the API server (SIGSEGV in map
+# iteration) on the first custom resource it decodes; Debian's reflect2 1.0.2
+# (golang-github-modern-go-reflect2-dev), the release that fixed it for Go
+# 1.18+, replaces it in the vendor tree.
+BUILD=v$K8S_VERSION+reflect2-1.0.2
+REFLECT2=/usr/share/gocode/src/github.com/modern-go/reflect2
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/dlfleet/kubernetes-$BUILD
 BIN=$CACHE/bin
 MIRROR=${KUBE_ENV_MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${KUBE_ENV_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
@@ -39,6 +47,8 @@ install_packages() {
     pkg=${pair#*:}
     command -v "$cmd" >/dev/null 2>&1 || wanted+=("$pkg")
   done
+  have_binaries || [ -f "$REFLECT2/go_above_118.go" ] ||
+    wanted+=(golang-github-modern-go-reflect2-dev)
   [ ${#wanted[@]} -eq 0 ] && return 0
   log "installing ${wanted[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
@@ -74,6 +84,10 @@ EOF
 build() {
   local src=$1/src
   log "building ${BINARIES[*]} (several minutes)"
+  log "replacing the vendored modern-go/reflect2 1.0.1 with Debian's 1.0.2"
+  local vendored=$src/vendor/github.com/modern-go/reflect2
+  rm -f "$vendored"/*.go "$vendored"/*.s
+  cp "$REFLECT2"/*.go "$REFLECT2"/*.s "$vendored/"
   mkdir -p "$src/.go/src/k8s.io"
   ln -sfn "$src" "$src/.go/src/k8s.io/kubernetes"
   # As debian/rules does: GOPATH inside the tree, vendored modules only.

@@ -13,4 +13,5 @@ echo "== mypy --strict"
 echo "== import contracts"
 .venv/bin/python tools/lint_imports.py | grep -aE "KEPT|BROKEN|->|Contracts"
 echo "== pytest"
-.venv/bin/python -m pytest "$@"
+# The slowest tests are listed last, where a CI log's tail shows them.
+.venv/bin/python -m pytest --durations=30 "$@"

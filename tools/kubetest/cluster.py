@@ -36,6 +36,9 @@ from dlfleet.api.processes import die_with_parent
 T = TypeVar("T")
 
 KUBE_VERSION = "v1.20.2"
+# The cached build's name (scripts/kube_env.sh BUILD): v1.20.2 with Debian's
+# modern-go/reflect2 1.0.2 in its vendor tree.
+KUBE_BUILD = f"{KUBE_VERSION}+reflect2-1.0.2"
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "kubetest-admin"
@@ -83,7 +86,7 @@ class KubeBinaries:
         if bin_dir is None:
             env = os.environ.get("KUBETEST_BIN_DIR")
             cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-            bin_dir = Path(env) if env else cache / "dlfleet" / f"kubernetes-{KUBE_VERSION}" / "bin"
+            bin_dir = Path(env) if env else cache / "dlfleet" / f"kubernetes-{KUBE_BUILD}" / "bin"
         names = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"]
         missing = [name for name in names if not os.access(bin_dir / name, os.X_OK)]
         etcd = shutil.which("etcd")

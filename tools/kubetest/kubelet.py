@@ -47,6 +47,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -94,6 +95,11 @@ WATCH_TIMEOUT_S = 60
 CONFIG_RETRY_S = 1.0
 API_RETRY_BUDGET_S = 30.0
 MERGE_PATCH = "application/merge-patch+json"
+# A Pod runs no image: the host's software is its image. The interpreter's
+# prefix (the virtual environment) and the repository (whose folders an
+# editable install imports from) stay visible inside every Pod, also when
+# they lie under a directory the sandbox makes private (a checkout in /tmp).
+IMAGE_PATHS = (Path(sys.prefix), Path(__file__).resolve().parents[2])
 # Errors that mean "the apiserver is not reachable right now" (e.g. restarting).
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
@@ -725,7 +731,7 @@ class TestKubelet:
             hosts_file=str(run.hosts_path),
             cwd=str(launch.cwd),
             shm_bytes=launch.shm_bytes,
-            host_paths=tuple(str(path) for path in launch.host_paths),
+            host_paths=tuple(str(path) for path in (*launch.host_paths, *IMAGE_PATHS)),
         )
         run.log_path.parent.mkdir(parents=True, exist_ok=True)
         with run.log_path.open("ab") as log, self._lock:
