@@ -13,9 +13,15 @@ For each method of `--methods`, in that order, it runs `--warmup` untimed and
 then `--saves` timed saves, one training step before each, and records the
 time the training thread is held by each save:
 
-* `dlfleet`: `Checkpointer.save(step, state)`, in-memory, not persisted
-  (persist_every=0): the copy into this rank's image in the agent's shared
-  memory, plus the wait for the previous step's commit when it is not back yet.
+* `dlfleet`: `Checkpointer.save(step, {"model": model, "optim": optimizer})`,
+  in-memory, not persisted (persist_every=0), overlapped: the parameters and
+  AdamW's moments are copied into this rank's image in the agent's shared
+  memory while the next step's forward and backward run. Its blocking time is
+  the save's own (the wait for the previous step's commit when it is not back
+  yet, the copy of anything not deferred) plus the time the next step's
+  `optimizer.step()` waited for the copy. Also recorded: when the image's
+  copy was done and when it existed (checksums and header written), from the
+  start of its copy.
 * `torch_save`: rank 0 only (what DDP users do: the state is replicated),
   `torch.save` into a new file of the workdir, flush and fsync; the other
   ranks hold at the next step's all_reduce meanwhile. The previous file is
@@ -28,6 +34,15 @@ time the training thread is held by each save:
   the time until it returns (the staging copy). The next training step runs
   while the upload goes on; the future is then waited for (recorded apart,
   with the upload's whole duration) before the next save.
+
+Once per trial, the reference for the copy's speed: a plain memcpy (one
+thread, ctypes.memmove) of every tensor of the state into one buffer of the
+same size, best of 3.
+
+Then steps/s with a checkpoint every step (`--throughput-steps` steps per
+mode, after 2 untimed ones, order rotated by trial): no checkpoint, dlfleet's
+save every step, dcp.async_save every step (each waiting for the previous
+one's upload, as its documentation asks before the next save).
 
 After a method's saves, one more training step (so the live state differs),
 then the restore of the newest checkpoint into the live model and optimizer,
@@ -45,6 +60,7 @@ Every record is one JSON line appended (O_APPEND, one write each) to
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -65,6 +81,7 @@ from dlfleet import Checkpointer, elastic
 
 _STARTED = time.monotonic()
 METHODS = ("dlfleet", "torch_save", "torch_save_nosync", "dcp_async")
+THROUGHPUT_MODES = ("none", "dlfleet", "dcp_async")
 DCP_WAIT_S = 300.0
 SAMPLE_S = 0.05
 
@@ -196,6 +213,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout, seconds")
+    parser.add_argument(
+        "--throughput-steps", type=int, default=10, help="timed steps per mode (0: no phase)"
+    )
     args = parser.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -266,32 +286,60 @@ class Job:
             built_s=self.built_s,
             pid=os.getpid(),
         )
+        results.write("memcpy", seconds=self.memcpy_s(), bytes=_state_bytes(self.state()))
         for method in self.args.methods:
             self.run_method(Saver(self, method, attempt.rank, group), results)
+        if self.args.throughput_steps:
+            modes = list(THROUGHPUT_MODES)
+            shift = self.args.trial % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                self.run_throughput(mode, Saver(self, "dcp_async", attempt.rank, group), results)
         results.write("done", seconds=time.monotonic() - _STARTED, cpu_s=time.process_time())
         results.close()
+
+    def memcpy_s(self) -> float:
+        """A plain memcpy of the whole state (one thread), best of 3: the
+        copy's physical limit on this machine."""
+        tensors = [t for t in _tensors(self.state()) if t.device.type == "cpu"]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer.fill_(0)  # its pages exist before the timed copies
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            at = buffer.data_ptr()
+            for tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                ctypes.memmove(at, tensor.data_ptr(), nbytes)
+                at += nbytes
+            best = min(best, time.perf_counter() - started)
+        return best
 
     def run_method(self, saver: Saver, results: Results) -> None:
         method = saver.method
         self.sampler.phase()
         at_start = self.sampler.sample()
         digests: dict[int, float] = {}  # of the state each save saved, by step
+        record: dict[str, Any] | None = None  # the previous save's, written after the next save
         for index in range(self.args.warmup + self.args.saves):
-            self.train_step()
+            self.held_step(record)
             saver.before_save()
             dist.barrier()
             digests[self.step] = self.fingerprint()
             blocked, extra = saver.save(self.step, self.state())
-            results.write(
-                "save",
-                method=method,
-                index=index,
-                warmup=index < self.args.warmup,
-                step=self.step,
-                blocked_s=blocked,
+            if record is not None:
+                results.write("save", **saver.figures(record))
+            record = {
+                "method": method,
+                "index": index,
+                "warmup": index < self.args.warmup,
+                "step": self.step,
+                "blocked_s": blocked,
                 **extra,
-            )
-        self.train_step()  # the live state moves on; the restore must bring it back
+            }
+        self.held_step(record)  # the live state moves on; the restore must bring it back
+        if record is not None:
+            results.write("save", **saver.figures(record, last=True))
         saver.before_save()
         peaks = self.sampler.phase()
         plan = saver.restores()
@@ -311,6 +359,36 @@ class Job:
             results.write("restore", method=method, source=source, seconds=took, ok=ok, step=step)
             self.train_step()
         saver.finish()
+
+    def held_step(self, record: dict[str, Any] | None) -> None:
+        """A training step; the time its optimizer step waited for an
+        overlapped copy is the previous save's too."""
+        before = self.checkpointer.step_held_s
+        self.train_step()
+        if record is not None:
+            held = self.checkpointer.step_held_s - before
+            record["held_s"] = held
+            record["blocked_s"] += held
+
+    def run_throughput(self, mode: str, dcp: Saver, results: Results) -> None:
+        """Steps/s with a checkpoint after every step (`mode`: none, dlfleet
+        or dcp_async), the slower rank's, over `--throughput-steps` steps."""
+        steps = self.args.throughput_steps
+        for index in range(2 + steps):
+            if index == 2:
+                dist.barrier()
+                started = time.perf_counter()
+            self.train_step()
+            if mode == "dlfleet":
+                self.checkpointer.save(self.step, {"model": self.model, "optim": self.optimizer})
+            elif mode == "dcp_async":
+                dcp.before_save()
+                dcp.save(self.step, self.state())
+        dcp.before_save()
+        dist.barrier()
+        seconds = time.perf_counter() - started
+        results.write("throughput", mode=mode, steps=steps, seconds=seconds)
+        dcp.finish()
 
     def close(self) -> None:
         self.sampler.close()
@@ -357,11 +435,24 @@ class Saver:
             ckpt = self.job.checkpointer
             before = ckpt.blocked_s
             with Stopwatch() as held:
-                ckpt.save(step, live)
+                ckpt.save(step, {"model": self.job.model, "optim": self.job.optimizer})
             return held.wall, {"cpu_s": held.cpu, "checkpointer_blocked_s": ckpt.blocked_s - before}
         if self.method.startswith("torch_save"):
             return self._torch_save(step, live)
         return self._dcp_async_save(step, live)
+
+    def figures(self, record: dict[str, Any], last: bool = False) -> dict[str, Any]:
+        """`record` with dlfleet's image times, once the next save returned
+        (which waited for the image to be finished; `last`: wait here)."""
+        if self.method != "dlfleet":
+            return record
+        ckpt = self.job.checkpointer
+        if last:
+            ckpt.last_image  # noqa: B018 - waits for the image to be finished
+        times = ckpt.image_times(record["step"])
+        if times is None:
+            return record
+        return {**record, "copied_s": times.copied_s, "ready_s": times.ready_s}
 
     def _torch_save(self, step: int, live: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         if self.rank != 0:
@@ -446,6 +537,10 @@ def main() -> int:
     elastic.run(job.train, backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
     job.close()
     return 0
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(state))
 
 
 def _tensors(value: Any) -> Iterator[Any]:

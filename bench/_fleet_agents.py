@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from dlfleet.api.client import AgentSession, MasterClient, join_request
+from dlfleet.api.client import AgentSession, MasterClient, ReRendezvous, join_request
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.master.service.app import tune_gc
 
@@ -43,7 +43,7 @@ JOB_NAME = "job"
 SETUP_BATCH = 200
 
 
-class _Pushes(queue.Queue[rendezvous_pb2.SessionEvent]):
+class _Pushes(queue.Queue[ReRendezvous]):
     """The session's event queue, handing each push straight to its node on
     the loop (the real agent's thread polls the queue; thousands of threads
     would not fit in one process)."""
@@ -52,9 +52,7 @@ class _Pushes(queue.Queue[rendezvous_pb2.SessionEvent]):
         super().__init__()
         self._node = node
 
-    def put(
-        self, item: rendezvous_pb2.SessionEvent, block: bool = True, timeout: float | None = None
-    ) -> None:
+    def put(self, item: ReRendezvous, block: bool = True, timeout: float | None = None) -> None:
         self._node.pushed(item)
 
 
@@ -125,10 +123,8 @@ class SimNode:
         if self.session is not None:
             self.session.round = self.round
 
-    def pushed(self, event: rendezvous_pb2.SessionEvent) -> None:
+    def pushed(self, push: ReRendezvous) -> None:
         """A re-rendezvous: join again, as the agent does (on the loop)."""
-        if not event.HasField("re_rendezvous"):
-            return
         self.pushed_t = time.monotonic()
         self.pushes += 1
         if self.session is not None:

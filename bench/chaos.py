@@ -25,9 +25,16 @@ training without faults lasts about `--minutes` (2 epochs). Generous
 limits: max_restarts and max_node_relaunches 1000, relaunch_delay_s 0.5,
 step_timeout_s `--step-timeout` (5 s) with a learned bound under it,
 step_timeout_factor `--step-timeout-factor` (4; 0: the fixed 5 s only) and
-step_timeout_min_s 2: a rank is hung once its progress file is older than 4 x
-the longest gap between its writes in the round (about 0.6 s: the writes come
-every 0.5 s), at least 2 s.
+step_timeout_min_s `--step-timeout-min` (0.5; job.yaml's default is 2): a
+rank is hung once its progress file is older than 4 x the longest gap
+between its writes in the round (written up to ten times a second: with
+0.1 s steps the gap is about 0.14 s), at least the floor. On 2026-11-27,
+with a Go build loading both cores, a 3-minute run of hangs and kills
+(`--kinds hang-worker,kill-worker --fault-every 20:30`) had 3 watchdog calls
+for 3 hangs and none other, training resumed 0.63-0.73 s after each SIGSTOP
+(2.2-2.6 s with the 2 s floor). The agents' logs say when their watchdogs called a rank
+hung: a call that no injected hang came before (within
+`HANG_CALL_WINDOW_S`) is a false positive, printed, and fails the run.
 
 The faults (`--kinds`, all by default), each sent by this bench with
 os.kill to a process of the job:
@@ -95,6 +102,21 @@ check, the window, stalled time, lost work, and the last line `ratio: X`
 with X = goodput, a share in [0, 1] (higher is better; the goal of the
 reliability issue is >= 0.80 over 10 minutes with a fault every 30-60 s).
 
+The job's own figure: the master keeps a goodput ledger of its own
+(master/dlfleet/master/core/goodput.py: productive step time and time lost by
+cause, from the rounds, failures, losses and heartbeats it hears), served in
+its /api/v1/status (`goodput`). The bench reads it every `GOODPUT_POLL_S`
+from the status's `http_url` and keeps the last reading of each ledger (by
+the instant its window opened: a restarted master goes on with the ledger
+its journal holds, so a job has one ledger, master kills included), and
+prints productive over window beside the external figure, with the
+external figure over the ledger's window too (it opens at the first step
+the master heard of). The two are
+meant to agree within 1 percentage point over the same windows, once time
+is counted alike: a step's line spans the save after it, so the step ledger
+counts checkpoint blocking as step time, where the job's own ledger calls it
+lost (`checkpoint`); the difference is printed both ways.
+
 The run passes when the job exited 0, the ledger is exactly once (each
 epoch's records trained exactly once by the final lineage), every fault was
 detected and fully recovered within `--recover-timeout`, and no process of
@@ -104,7 +126,11 @@ Expect the default run (10 minutes of training, a fault every 30-60 s: about
 12 faults) to take about 12 minutes on a 2-core machine; there, on
 2026-11-25 with the learned step bound (--step-timeout-factor 4), it measured
 12/12 faults recovered, hangs detected in 2.2-2.6 s, 16.7 s of stalls in a
-654 s window, goodput 0.973.
+654 s window, goodput 0.973. On 2026-11-27, with progress written up to ten
+times a second and the 0.5 s floor: 12/12 recovered, 3 watchdog calls for 3
+hangs (none false), training back 0.60-0.64 s after a SIGSTOP, 4.2 s of
+stalls in a 643 s window, goodput 0.992; the job's own ledger 0.951 (0.977
+with its checkpoint blocking counted as step time).
 
 Preemption: dlworker answers SIGTERM by leaving and exiting 0, which the
 supervisor (master/dlfleet/master/job/runner.py) cannot tell from a node whose
@@ -126,6 +152,7 @@ import json
 import math
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -134,6 +161,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +178,14 @@ for _extra in (ROOT / "bench", ROOT / "tests"):
     if str(_extra) not in sys.path:
         sys.path.insert(0, str(_extra))
 
-from _chaos_timeline import Accounting, StepLine, account, intervals, stalled_between  # noqa: E402
+from _chaos_timeline import (  # noqa: E402
+    Accounting,
+    StepLine,
+    account,
+    intervals,
+    stalled_between,
+    union_length,
+)
 from _common import exit_on_sigterm, say, tagged_pids  # noqa: E402
 from e2e.ledger import check, final_lineage, read_ledger  # noqa: E402
 
@@ -164,6 +200,8 @@ JOB_NAME = "chaos"
 NODES = 2  # the quickstart's nodes.max, and the target throughout
 NPROC = 1  # processes per node
 POLL_S = 0.2
+# How often the master's own goodput ledger is read (its /api/v1/status).
+GOODPUT_POLL_S = 1.0
 TAG_ENV = "DLFLEET_CHAOS_TAG"
 ACTIVE = ("starting", "running", "stopping")
 # A step of ledger_train.py beyond its sleep (log line fsynced, all-reduce,
@@ -195,6 +233,7 @@ class Settings:
     checkpoints: str = "memory"
     step_timeout_s: float = 5.0
     step_timeout_factor: float = 4.0  # 0: the fixed bound only
+    step_timeout_min_s: float = 0.5  # the learned bound's floor
     last_call_s: float = 1.0
     relaunch_delay_s: float = 0.5
     recover_timeout_s: float = 180.0
@@ -483,6 +522,23 @@ class Result:
     workdir: Path
     observer_cpu_s: float = 0.0  # this bench's own CPU time while it watched
     problems: list[str] = field(default_factory=list)
+    # The masters' own ledgers (/api/v1/status `goodput`), each as last read
+    # (one per window opened: a restarted master goes on with its journal's), and the external
+    # goodput over their windows; None if never read.
+    job_ledgers: list[dict[str, Any]] = field(default_factory=list)
+    external_in_job_windows: float | None = None
+    # The step watchdog's calls (wall clock), from the agents' logs, and
+    # those no injected hang explains (false positives).
+    hang_calls: list[float] = field(default_factory=list)
+    false_hangs: list[float] = field(default_factory=list)
+
+    @property
+    def job_goodput(self) -> float | None:
+        """The job's own figure: productive over window, summed over the
+        masters' ledgers."""
+        window = sum(g["window_seconds"] for g in self.job_ledgers)
+        productive = sum(g["productive_seconds"] for g in self.job_ledgers)
+        return productive / window if window > 0 else None
 
     @property
     def goodput(self) -> float:
@@ -495,6 +551,7 @@ class Result:
             and self.ledger_ok
             and all(f.ok for f in self.faults)
             and not self.problems
+            and not self.false_hangs
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -518,6 +575,11 @@ class Result:
             "faults": [f.as_dict() for f in self.faults],
             "problems": self.problems,
             "observer_cpu_s": self.observer_cpu_s,
+            "job_goodput": self.job_goodput,
+            "job_ledgers": self.job_ledgers,
+            "external_goodput_in_job_windows": self.external_in_job_windows,
+            "hang_calls": self.hang_calls,
+            "false_hangs": self.false_hangs,
             "seed": self.settings.seed,
             "minutes": self.settings.minutes,
             "size": self.settings.size,
@@ -550,6 +612,11 @@ class ChaosRun:
         self.steady_round = 0
         self.last_sig: dict[str, str] = {}
         self.injecting = True
+        self.token = ""
+        self.http_url = ""
+        # Each master's goodput ledger as last read, by when its window opened.
+        self.ledgers: dict[int, dict[str, Any]] = {}
+        self._goodput_read_at = 0.0
 
     # ----------------------------------------------------------- job
 
@@ -578,7 +645,10 @@ class ChaosRun:
             "relaunch_delay_s": s.relaunch_delay_s,
             "step_timeout_s": s.step_timeout_s,
             **(
-                {"step_timeout_factor": s.step_timeout_factor, "step_timeout_min_s": 2.0}
+                {
+                    "step_timeout_factor": s.step_timeout_factor,
+                    "step_timeout_min_s": s.step_timeout_min_s,
+                }
                 if s.step_timeout_factor
                 else {}
             ),
@@ -615,7 +685,7 @@ class ChaosRun:
                 )
             with suppress(OSError, ValueError, KeyError):
                 address = str(json.loads(master_file.read_text())["address"])
-                token = (self.job_dir / "token").read_text().strip()
+                token = self.token = (self.job_dir / "token").read_text().strip()
                 retry = RetryPolicy(attempts=1, max_backoff_s=0.1, total_budget_s=1.0)
                 self.client = MasterClient(address, token=token, timeout_s=1.0, retry=retry)
                 return
@@ -675,11 +745,30 @@ class ChaosRun:
         if moved:
             self.event(now, "status", moved)
         self._watch_steady(status, now)
+        if status is not None and status.http_url:
+            self.http_url = status.http_url
+        if now - self._goodput_read_at >= GOODPUT_POLL_S:
+            self._goodput_read_at = now
+            self._read_job_goodput()
         if self.pending is not None:
             self._check(self.pending, status, now, moved, asked)
         elif self.injecting and status is not None:
             self._maybe_inject(status, now)  # detection compares with `sig`
         self.last_sig = sig
+
+    def _read_job_goodput(self) -> None:
+        """The master's own goodput ledger, kept once it has a window: the
+        last one read of each master (a master's is gone with it)."""
+        if not self.http_url:
+            return
+        request = urllib.request.Request(
+            f"{self.http_url}/api/v1/status", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with suppress(OSError, ValueError, urllib.error.URLError):
+            with urllib.request.urlopen(request, timeout=0.5) as answer:
+                goodput = json.loads(answer.read()).get("goodput")
+            if goodput and goodput.get("window_seconds", 0) > 0:
+                self.ledgers[int(goodput["opened_unix_ms"])] = goodput
 
     def _after(self) -> float:
         """Steps that count for recovery are logged after this time."""
@@ -898,6 +987,15 @@ class ChaosRun:
         for fault in self.faults:
             if fault.full_at is not None:
                 fault.stall_s = stalled_between(spans, fault.t, fault.full_at)
+        ledgers = [self.ledgers[opened] for opened in sorted(self.ledgers)]
+        kept_spans = [span for span in spans if span.counted]
+        useful_in, window_in = 0.0, 0.0
+        for ledger in ledgers:
+            lo = max(ledger["opened_unix_ms"] / 1000, accounting.start)
+            hi = min(ledger["as_of_unix_ms"] / 1000, accounting.end)
+            if hi > lo:
+                useful_in += union_length(kept_spans, lo, hi)
+                window_in += hi - lo
         return Result(
             settings=s,
             faults=self.faults,
@@ -913,7 +1011,40 @@ class ChaosRun:
             workdir=self.dir,
             observer_cpu_s=_cpu_s() - self.cpu_at_start,
             problems=self.problems,
+            job_ledgers=ledgers,
+            external_in_job_windows=useful_in / window_in if window_in > 0 else None,
+            hang_calls=(calls := watchdog_calls(self.job_dir / "logs")),
+            false_hangs=unexplained(calls, self.faults),
         )
+
+
+# An agent's log line (its logging format) where its step watchdog calls a
+# rank hung.
+HANG_CALL = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) dlworker ERROR local rank \d+ hung: "
+)
+# How long after a hang is injected the watchdog's calls are its (every
+# node's ranks stop in the all-reduce it waits in: each agent may call it).
+HANG_CALL_WINDOW_S = 30.0
+
+
+def watchdog_calls(log_dir: Path) -> list[float]:
+    """When (time.time()) the agents' step watchdogs called a rank hung."""
+    calls = []
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            match = HANG_CALL.match(line)
+            if match:
+                stamp = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"))
+                calls.append(stamp + int(match.group(2)) / 1000)
+    return sorted(calls)
+
+
+def unexplained(calls: list[float], faults: list[Fault]) -> list[float]:
+    """The watchdog calls that no injected hang came before (within
+    HANG_CALL_WINDOW_S): false positives."""
+    hangs = [f.t for f in faults if f.kind == "hang-worker"]
+    return [call for call in calls if not any(0 <= call - t <= HANG_CALL_WINDOW_S for t in hangs)]
 
 
 def _cpu_s() -> float:
@@ -996,6 +1127,15 @@ def report(result: Result) -> None:
         f"{result.attempts} attempts; this bench used {result.observer_cpu_s:.1f}s of CPU "
         f"watching"
     )
+    say_job_goodput(result)
+    hangs = [f for f in faults if f.kind == "hang-worker"]
+    say(
+        f"step watchdog: {len(result.hang_calls)} calls for {len(hangs)} hangs injected, "
+        f"{len(result.false_hangs)} false (a call no injected hang explains); hangs detected "
+        f"in {_med_max([f.detect_s for f in hangs]).strip() or '-'} s (median/max), bound "
+        f"{result.settings.step_timeout_factor:g} x the longest gap between progress writes, "
+        f"at least {result.settings.step_timeout_min_s:g} s"
+    )
     for problem in result.problems:
         say(f"problem: {problem}")
     recovered = sum(f.ok for f in faults)
@@ -1009,6 +1149,45 @@ def report(result: Result) -> None:
     if not result.ok:
         say(f"(logs kept in {result.workdir})")
     say(f"ratio: {a.goodput:.3f}")
+
+
+def say_job_goodput(result: Result) -> None:
+    """The masters' own goodput beside the external one, over the whole
+    window and over the ledgers' windows (one ledger, unless a master
+    started without its journal)."""
+    ledgers, a, own = result.job_ledgers, result.accounting, result.job_goodput
+    if own is None:
+        say("the job's own goodput: never read (no /api/v1/status with a goodput window)")
+        return
+    lost: dict[str, float] = {}
+    for ledger in ledgers:
+        for item in ledger["badput"]:
+            lost[item["cause"]] = lost.get(item["cause"], 0.0) + item["seconds"]
+    causes = ", ".join(
+        f"{cause} {seconds:.1f}s" for cause, seconds in lost.items() if seconds >= 0.05
+    )
+    windows = " + ".join(f"{ledger['window_seconds']:.1f}s" for ledger in ledgers)
+    say(
+        f"the job's own goodput (its masters' ledgers): {own:.3f} over {windows}, "
+        f"productive {sum(g['productive_seconds'] for g in ledgers):.1f}s, lost: "
+        f"{causes or 'nothing'}"
+    )
+    same = result.external_in_job_windows
+    beside = f", {same:.3f} over the ledgers' windows" if same is not None else ""
+    differs = ""
+    if same is not None:
+        # A step's line spans the save after it: the step ledger counts the
+        # time a save blocked as step time, where the job's own calls it lost.
+        window = sum(g["window_seconds"] for g in ledgers)
+        alike = own + lost.get("checkpoint", 0.0) / window
+        differs = (
+            f"; the job's own - external: {100 * (own - same):+.1f} pp, "
+            f"{100 * (alike - same):+.1f} pp with its checkpoint blocking as step time "
+            f"({alike:.3f}), as the step ledger counts it"
+        )
+    say(
+        f"external goodput (the step ledger): {a.goodput:.3f} over {a.window:.1f}s{beside}{differs}"
+    )
 
 
 # --------------------------------------------------------------------------- main
@@ -1031,6 +1210,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         type=float,
         default=4.0,
         help="learned watchdog: x the longest gap between progress writes (4; 0: off)",
+    )
+    parser.add_argument(
+        "--step-timeout-min",
+        type=float,
+        default=0.5,
+        help="the learned watchdog bound's floor, seconds (0.5)",
     )
     parser.add_argument("--last-call", type=float, default=1.0, help="rendezvous last call (1)")
     parser.add_argument(
@@ -1063,8 +1248,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         parser.error("--minutes and --step-timeout must be positive, --sleep-per-step not negative")
     if args.step_timeout_factor != 0 and not args.step_timeout_factor >= 2:
         parser.error("--step-timeout-factor wants 0 (off) or >= 2")
-    if args.step_timeout_factor and args.step_timeout < 2:
-        parser.error("--step-timeout-factor needs --step-timeout >= 2 (the learned floor)")
+    if args.step_timeout_factor and not 0 < args.step_timeout_min <= args.step_timeout:
+        parser.error("--step-timeout-min must be > 0 and at most --step-timeout")
     settings = Settings(
         checkpoints=args.checkpoints,
         minutes=args.minutes,
@@ -1076,6 +1261,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path | None]:
         sleep_per_step=args.sleep_per_step,
         step_timeout_s=args.step_timeout,
         step_timeout_factor=args.step_timeout_factor,
+        step_timeout_min_s=args.step_timeout_min,
         last_call_s=args.last_call,
         recover_timeout_s=args.recover_timeout,
         stop_at=args.stop_at,

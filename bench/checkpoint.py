@@ -16,9 +16,11 @@ The job (bench/_checkpoint_train.py, under the Python that runs this bench):
 --max-nodes 1`), gloo, one thread each: `--layers` Linear(`--width`,
 `--width`) layers trained with AdamW on a batch of 4, replicated on both ranks
 (no DDP: a one-element all_reduce per step keeps the ranks in lockstep; the
-cost measured is the checkpoint's). The state saved is `{"model":
-model.state_dict(), "optim": optimizer.state_dict()}`: the parameters and
-AdamW's two moments, 12 bytes per parameter (the exact size is printed).
+cost measured is the checkpoint's). The state saved is the parameters and
+AdamW's two moments, 12 bytes per parameter (the exact size is printed):
+dlfleet is given `{"model": model, "optim": optimizer}` (so that it may copy
+them while the next step runs), the others `{"model": model.state_dict(),
+"optim": optimizer.state_dict()}`.
 
 Per method, a trial runs `--warmup` untimed saves (the first saves allocate:
 dlfleet's two image slots, the page cache) and then `--saves` timed ones, one
@@ -27,7 +29,8 @@ thread waits for:
 
 * dlfleet: `Checkpointer.save(step, state)` (persist_every=0, in memory only),
   under the real agent and master, so its path includes the notice to the
-  agent and the wait for the previous step's commit;
+  agent and the wait for the previous step's commit; plus the time the next
+  step's optimizer.step() waited for the overlapped copy;
 * torch_save: on rank 0 only, as DDP users do (the state is replicated; the
   other rank waits at the next step's all_reduce), `torch.save` into a new
   file in the trial's workdir (`--workdir`, default the system's temporary
@@ -55,13 +58,20 @@ Memory: per method, the peak anonymous and shared-memory resident set of a
 rank, and the peak size of the agent's image folder in /dev/shm (its two image
 slots per rank stay allocated for the whole run).
 
+Per trial also: a plain memcpy of the state (one thread), the copy's limit
+here; and steps/s with a checkpoint after every step — none, dlfleet, and
+dcp.async_save (each waiting for the previous upload) — `--throughput-steps`
+timed steps each.
+
 Printed: per trial a line, then the tables (median, min, max over all timed
-saves of all trials), the goal line and, last, `ratio: X` with X = median
-torch.save blocking time / median dlfleet blocking time (higher is better;
-goal >= 10). Each trial has fresh ports, folders and an environment marker;
-at its end every process carrying the marker is SIGKILLed and its files
-(workdir and /dev/shm) are removed. A full run takes about 4 minutes on a
-2-core machine; `--quick` about 1.
+saves of all trials), dlfleet's copy beside memcpy, the per-step throughput,
+the goal lines (torch.save / dlfleet >= 30x; a dlfleet save every step costs
+at most 3% of the steps/s) and, last, `ratio: X` with X = median
+dcp.async_save blocking time / median dlfleet blocking time (higher is
+better; goal >= 5). Each trial has fresh ports, folders and an environment
+marker; at its end every process carrying the marker is SIGKILLed and its
+files (workdir and /dev/shm) are removed. A full run takes about 11 minutes on
+a 2-core machine; `--quick` about 2.
 """
 
 from __future__ import annotations
@@ -101,7 +111,9 @@ METHODS = ("dlfleet", "torch_save", "dcp_async")
 OPTIONAL = ("torch_save_nosync",)
 NPROC = 2
 TAG_ENV = "CHECKPOINT_BENCH_TAG"
-GOAL_RATIO = 10.0
+GOAL_RATIO = 5.0  # dcp.async_save / dlfleet, median blocking per save
+GOAL_TORCH_SAVE = 30.0  # torch.save / dlfleet
+GOAL_THROUGHPUT = 0.97  # steps/s with a dlfleet save every step over steps/s with none
 MASTER_READY_S = 30.0
 CLEANUP_S = 15.0
 POLL_S = 0.1
@@ -294,6 +306,8 @@ class Trial:
                 self.args.device,
                 "--threads",
                 str(self.args.threads),
+                "--throughput-steps",
+                str(self.args.throughput_steps),
             ],
         )
         try:
@@ -450,6 +464,8 @@ def report(results: list[TrialResult], args: argparse.Namespace, nbytes: int) ->
         nbytes = int(s["bytes"])
     times = save_times(records)
     report_saves(records, times, args.methods, nbytes)
+    report_copy(records, nbytes)
+    throughput = report_throughput(records)
     report_restores(records, args.methods)
     report_memory(records, args.methods)
     sound = report_failures(results, records)
@@ -462,7 +478,7 @@ def report(results: list[TrialResult], args: argparse.Namespace, nbytes: int) ->
             "(CPU-bound) loses more to that than one that waits for the disk, so the ratio "
             "is likely skewed against dlfleet; rerun on a quiet machine"
         )
-    report_ratio(times, sound)
+    report_ratio(times, throughput, sound)
 
 
 def report_saves(
@@ -594,21 +610,75 @@ def _key(record: dict[str, Any]) -> tuple[Any, Any, Any]:
     return record["trial"], record["rank"], record["method"]
 
 
-def report_ratio(times: dict[str, list[float]], sound: bool) -> None:
+def report_copy(records: list[dict[str, Any]], nbytes: int) -> None:
+    """dlfleet's overlapped copy beside a plain memcpy of the same bytes."""
+    memcpy = [float(r["seconds"]) for r in records if r["kind"] == "memcpy"]
+    copied = slowest(records, "dlfleet", "copied_s")
+    ready = slowest(records, "dlfleet", "ready_s")
+    held = slowest(records, "dlfleet", "held_s")
+    if not memcpy or not copied:
+        return
+    say()
+    say(
+        "dlfleet's image, from the start of its copy (median over timed saves, the slower rank): "
+        f"copied in {fmt(median(copied))} s ({nbytes / GB / (median(copied) or 1):.2f} GB/s, "
+        f"while the next step's forward and backward ran), ready (checksums, header) in "
+        f"{fmt(median(ready))} s; the next optimizer.step waited {fmt(median(held))} s for it"
+    )
+    fastest = min(memcpy)
+    say(
+        f"plain memcpy of the same bytes (one thread, nothing else running, best): "
+        f"{fmt(fastest)} s, {nbytes / GB / fastest:.2f} GB/s"
+    )
+
+
+def report_throughput(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Steps/s with a checkpoint every step, per mode (the slower rank of each
+    trial, median over trials); the ratios to no checkpoint."""
+    per_trial: dict[tuple[str, int], float] = {}
+    for r in records:
+        if r["kind"] == "throughput":
+            key = (r["mode"], r["trial"])
+            per_trial[key] = max(per_trial.get(key, 0.0), float(r["seconds"]) / r["steps"])
+    rates: dict[str, float] = {}
+    for mode in ("none", "dlfleet", "dcp_async"):
+        seconds = [v for (m, _), v in per_trial.items() if m == mode]
+        if seconds:
+            rates[mode] = 1.0 / statistics.median(seconds)
+    if "none" not in rates:
+        return {}
+    say()
+    say("training with a checkpoint after every step (steps/s, median over trials)")
+    for mode, rate in rates.items():
+        say(f"  {mode:10s} {rate:7.3f} steps/s  {rate / rates['none']:.3f} of no checkpoint")
+    return {mode: rate / rates["none"] for mode, rate in rates.items()}
+
+
+def report_ratio(times: dict[str, list[float]], throughput: dict[str, float], sound: bool) -> None:
     say()
     dl = median(times.get("dlfleet", []))
     ts = median(times.get("torch_save", []))
     da = median(times.get("dcp_async", []))
-    if dl and da is not None:
-        say(f"dcp.async_save / dlfleet (median blocking per save): {da / dl:.2f}x")
-    if not dl or ts is None:
-        say(f"goal: torch.save / dlfleet >= {GOAL_RATIO:.0f}x: NO (no figure)")
-        say("ratio: n/a (needs timed dlfleet and torch_save saves)")
+    if dl and ts is not None:
+        verdict = "yes" if ts / dl >= GOAL_TORCH_SAVE else "NO"
+        say(
+            f"torch.save / dlfleet (median blocking per save): {ts / dl:.2f}x, goal >= "
+            f"{GOAL_TORCH_SAVE:.0f}x: {verdict}"
+        )
+    if "dlfleet" in throughput:
+        verdict = "yes" if throughput["dlfleet"] >= GOAL_THROUGHPUT else "NO"
+        say(
+            f"steps/s with a dlfleet save every step / with none: {throughput['dlfleet']:.3f}, "
+            f"goal >= {GOAL_THROUGHPUT}: {verdict}"
+        )
+    if not dl or da is None:
+        say(f"goal: dcp.async_save / dlfleet >= {GOAL_RATIO:.0f}x: NO (no figure)")
+        say("ratio: n/a (needs timed dlfleet and dcp_async saves)")
         return
-    ratio = ts / dl
+    ratio = da / dl
     goal = "yes" if ratio >= GOAL_RATIO and sound else "NO"
     say(
-        f"goal: torch.save / dlfleet (median blocking per save) >= {GOAL_RATIO:.0f}x, every "
+        f"goal: dcp.async_save / dlfleet (median blocking per save) >= {GOAL_RATIO:.0f}x, every "
         f"trial and restore sound: {goal}"
     )
     say(f"ratio: {ratio:.2f}")
@@ -634,6 +704,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device", choices=("cpu", "cuda"), default="cpu", help="where the model lives (cpu)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    parser.add_argument(
+        "--throughput-steps",
+        type=int,
+        default=None,
+        help="timed steps per mode with a checkpoint every step (10; quick 6; 0: none)",
+    )
     args = parser.parse_args(argv)
     if args.trials is None:
         args.trials = 2 if args.quick else 3
@@ -643,6 +719,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.width = 2048 if args.quick else 4096
     if args.timeout is None:
         args.timeout = 150.0 if args.quick else 400.0
+    if args.throughput_steps is None:
+        args.throughput_steps = 6 if args.quick else 10
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     known = METHODS + OPTIONAL
     if not args.methods or any(m not in known for m in args.methods):

@@ -264,8 +264,12 @@ class Trainer:
             optimizer.step()
             step += 1
             # Between steps, on every rank: loader.state_dict() counts the
-            # batches that the model has been trained on, and no others.
-            self.checkpointer.save(step, checkpoint_state(model, optimizer, loader))
+            # batches that the model has been trained on, and no others. The
+            # shards of the model and the optimizer are copied while the next
+            # step's forward and backward run (overlap).
+            self.checkpointer.save(
+                step, checkpoint_state(model, optimizer, loader), overlap=(model, optimizer)
+            )
             window_samples += len(labels) * attempt.world_size
             if attempt.rank == 0 and step % self.args.log_every == 0:
                 rate = window_samples / max(time.monotonic() - window_start, 1e-9)

@@ -234,7 +234,9 @@ class Trainer:
             "optimizer": optimizer_state,
             "loader": loader.state_dict(),
         }
-        self.checkpointer.save(step, state)
+        # The model's and optimizer's tensors are copied while the next
+        # step's forward and backward run; its optimizer.step() waits for them.
+        self.checkpointer.save(step, state, overlap=(self.model, self.optimizer))
 
     def train_epoch(
         self,

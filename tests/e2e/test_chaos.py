@@ -15,6 +15,7 @@ About 1.5-2 minutes on a 2-core machine; the 10-minute run with a fault every
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,25 @@ def test_a_step_far_longer_than_usual_counts_as_a_stall() -> None:
     assert a.useful == pytest.approx(0.6) and a.stalled == pytest.approx(4.9)
 
 
+def test_watchdog_calls_are_read_from_the_agents_logs_and_matched_to_the_hangs(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "node-0.log").write_text(
+        "2026-11-27 10:00:01,250 dlworker ERROR local rank 1 hung: no training step for 0.6s\n"
+        "2026-11-27 10:00:01,300 dlworker INFO local rank 0 hung: quoted, not a call\n"
+        "[rank0] hung: a training script's own line\n"
+    )
+    (tmp_path / "node-1.log").write_text(
+        "2026-11-27 10:05:00,000 dlworker ERROR local rank 0 hung: no training step for 0.6s\n"
+    )
+    calls = chaos.watchdog_calls(tmp_path)
+    base = time.mktime(time.strptime("2026-11-27 10:00:00", "%Y-%m-%d %H:%M:%S"))
+    assert calls == [pytest.approx(base + 1.25), pytest.approx(base + 300.0)]
+    hang = chaos.Fault(0, "hang-worker", "node-0", 1, base + 0.5, 1, 0)
+    kill = chaos.Fault(1, "kill-worker", "node-1", 2, base + 299.0, 2, 0)
+    assert chaos.unexplained(calls, [hang, kill]) == [pytest.approx(base + 300.0)]
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_one_fault_of_each_kind_is_survived_and_every_record_trained_once(
@@ -86,5 +106,7 @@ def test_one_fault_of_each_kind_is_survived_and_every_record_trained_once(
         lag = 2 * SUPERVISOR_POLL_S
         assert (fault.since(fault.unchanged_at) or 0.0) <= fault.full_s + lag
     assert not result.problems, result.problems
+    # The hang was called (by one agent or both) and nothing else was.
+    assert result.hang_calls and not result.false_hangs, (result.hang_calls, result.false_hangs)
     assert result.discarded >= 0 and result.counted > 0
     assert 0.0 < result.goodput <= 1.0

@@ -2,7 +2,8 @@
 playwright) on a real job: the quickstart's train.py on two local nodes,
 started by `dlmaster --job-config`. The browser logs in through the login
 link, sees both nodes training and a dataset's progress bar advance; then a
-training process is SIGKILLed and its failure shows on the page's timeline.
+training process is SIGKILLed and its failure shows on the page's timeline,
+and the goodput bar shows the time its restart cost beside the training.
 A screenshot of the page is kept (the test's tmp_path and test-output/ at the
 checkout's root) for a person to look at.
 
@@ -115,6 +116,14 @@ def test_the_dashboard_shows_nodes_progress_and_a_killed_worker(
                 "() => [...document.querySelectorAll('.node[data-state=\"training\"]')]"
                 ".filter(n => Number(n.dataset.samplesPerSecond) > 0).length === 2"
             )
+            # The goodput bar: training, and the time the restart cost.
+            page.wait_for_selector(
+                '#goodput-bar rect[data-cause="restart"], '
+                '#goodput-bar rect[data-cause="re_rendezvous"]'
+            )
+            assert page.query_selector('#goodput-bar rect[data-cause="productive"]') is not None
+            ratio = float(page.get_attribute(".goodput", "data-ratio") or 0)
+            assert 0 < ratio < 1
             page.wait_for_timeout(2000)  # a few more points on the charts
 
             shot = tmp_path / "dashboard.png"

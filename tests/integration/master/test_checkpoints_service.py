@@ -22,7 +22,8 @@ from dlfleet.master.core.checkpoint_events import ImageCopy
 from dlfleet.master.core.checkpoints import CheckpointReport, PersistedStep
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
-from dlfleet.master.service.state import CHECKPOINTS_STREAM, MasterSettings, MasterState
+from dlfleet.master.service.journal import CHECKPOINTS_STREAM
+from dlfleet.master.service.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
 pytestmark = pytest.mark.integration
@@ -122,16 +123,34 @@ def test_reports_of_every_rank_make_the_step_latest_with_its_copies(master: Runn
     assert client.master_status().checkpoints == status
 
 
-def test_a_step_is_not_committed_until_every_rank_reported_its_own_image(master: Running) -> None:
+def test_a_step_is_not_committed_until_every_rank_reported_its_image(master: Running) -> None:
     client = master.client
     a, b = register(client, "a", "b")
     form_rounds(client, a, 1)
-    answer = client.report_checkpoint(report(a, 10, [copy(0, a), copy(1, a, replica=True)]))
+    answer = client.report_checkpoint(report(a, 10, [copy(0, a)]))
     assert answer.committed_step == -1
     assert not client.latest_checkpoint().found
     assert client.report_checkpoint(report(b, 10, [copy(1, b)])).committed_step == 10
     assert client.latest_checkpoint().step == 10
     assert client.latest_checkpoint(before_step=10).found is False
+
+
+def test_a_survivors_replica_of_a_lost_nodes_image_commits_the_step_it_holds_whole(
+    master: Running,
+) -> None:
+    """The double fault as the master sees it once back: b saved step 10 and
+    copied it to a, then left before reporting it; a reports its own image
+    and its replica of b's, and step 10 is restored from a alone."""
+    client = master.client
+    a, b = register(client, "a", "b")
+    form_rounds(client, a, 1)
+    assert save_step(client, [a, b], step=5) == 5
+    assert client.report_checkpoint(report(a, 10, [copy(0, a)])).committed_step == 5
+    client.deregister_node(*b)
+    answer = client.report_checkpoint(report(a, 10, [copy(0, a), copy(1, a, replica=True)]))
+    assert answer.committed_step == 10
+    latest = client.latest_checkpoint()
+    assert latest.step == 10 and placement(latest) == [(0, a[0], False), (1, a[0], True)]
 
 
 def test_a_node_that_leaves_takes_its_copies_and_the_replicas_still_restore(
@@ -365,9 +384,9 @@ def test_the_checkpoint_stream_is_compacted_and_recovers_the_same_table(store_ur
             own = ImageCopy(rank, node, f"{node}:1", False, 10)
             copies = (own, ImageCopy((rank + 1) % 2, node, f"{node}:1", True, 10))
             events = table.report(CheckpointReport(node, step, 1, 2, copies, max(0, step - 3)))[1]
-            live.persist_checkpoints(events).result()
-    live.persist_checkpoints(table.report_persisted(PersistedStep(20, "/p/20", 1, 2))).result()
-    live.persist_checkpoints([]).result()
+            live.journal.append(events).result()
+    live.journal.append(table.report_persisted(PersistedStep(20, "/p/20", 1, 2))).result()
+    live.journal.append([]).result()
     expected = table.to_dict()
     live.close()
 
@@ -391,13 +410,13 @@ def test_replay_from_a_compacted_stream_gives_the_same_table_when_nodes_are_live
     settings = MasterSettings(checkpoints_compact_every=7)
     live = MasterState(open_store(store_url), settings)
     for name in ("n0", "n1"):
-        live.persist_node(live.nodes.register(name, 1, "h", now_ms=0)).result()
+        live.journal.append(live.nodes.register(name, 1, "h", now_ms=0)[1]).result()
     for step in range(12):
         for rank in range(2):
             node = f"n{rank}#1"
             copies = (ImageCopy(rank, node, f"{node}:1", False, 10),)
             events = live.checkpoints.report(CheckpointReport(node, step, 1, 2, copies))[1]
-            live.persist_checkpoints(events).result()
+            live.journal.append(events).result()
     expected = live.checkpoints.to_dict()
     live.close()
     recovered = MasterState.recover(open_store(store_url), settings, now_ms=0)

@@ -11,7 +11,8 @@ import pytest
 from dlfleet.master.core.codec import dump_dataset
 from dlfleet.master.core.datasets import DatasetConfig
 from dlfleet.master.core.shards import RankConsumer, RoundConsumer, ShardSettings
-from dlfleet.master.service.state import CHECKPOINT, DATASET_PREFIX, MasterSettings, MasterState
+from dlfleet.master.service.journal import CHECKPOINT, DATASET_PREFIX
+from dlfleet.master.service.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ def drive(state: MasterState, steps: int) -> None:
     expiries, a new round, a snapshot and a restore."""
     book = state.book
     config = DatasetConfig.create(name="d", size=500, batch_size=5, shard_size=10, epochs=3)
-    state.persist(book.register(config)[1]).result()
+    state.journal.append(book.register(config)[1]).result()
     held: list[int] = []
     snap = None
     positions: dict[int, int] = {}
@@ -46,9 +47,9 @@ def drive(state: MasterState, steps: int) -> None:
         if step == steps // 2:
             snap, more = book.snapshot("d", 0, [], now)
             events += more
-        state.persist(events).result()
+        state.journal.append(events).result()
     assert snap is not None
-    state.persist(book.restore(snap, 0, steps * 10)[1]).result()
+    state.journal.append(book.restore(snap, 0, steps * 10)[1]).result()
 
 
 @pytest.mark.parametrize("compact_every", [10**9, 25])
@@ -58,7 +59,7 @@ def test_recovery_rebuilds_the_exact_state(store_url: str, compact_every: int) -
     )
     live = MasterState(open_store(store_url), settings)
     drive(live, 120)
-    live.persist(live.book.lease("d", RankConsumer("late", 0), 5000)[1]).result()
+    live.journal.append(live.book.lease("d", RankConsumer("late", 0), 5000)[1]).result()
     expected = dump_dataset(live.book.datasets["d"])
     live.close()
 
@@ -89,7 +90,7 @@ def test_a_checkpoint_entry_still_in_the_journal_is_used(store_url: str) -> None
     payload = json.dumps({"t": CHECKPOINT, "state": snapshot_of_state})
     live.committer.submit([(DATASET_PREFIX + "d", payload)]).result()
     drive_more = live.book.lease("d", RankConsumer("x", 0), 10_000)[1]
-    live.persist(drive_more).result()
+    live.journal.append(drive_more).result()
     expected = dump_dataset(live.book.datasets["d"])
     live.close()
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dlfleet.master.core.job_identity import StoreHoldsAJob, StoreHoldsAnotherJob
-from dlfleet.master.service.state import JOB_STREAM, MasterSettings, MasterState
+from dlfleet.master.service.journal import JOB_STREAM
+from dlfleet.master.service.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
 
 pytestmark = pytest.mark.integration
@@ -24,7 +25,7 @@ def test_a_store_holding_a_job_is_refused_without_resume_and_continued_with_it(
 ) -> None:
     first = recover(store_url, JOB, resume=False)  # an empty store: a new job
     assert first.identity is not None and first.identity.name == "job"
-    first.persist_node(first.nodes.register("a", 1, "h", 1_000)).result()
+    first.journal.append(first.nodes.register("a", 1, "h", 1_000)[1]).result()
     first.close()
 
     with pytest.raises(StoreHoldsAJob) as refused:

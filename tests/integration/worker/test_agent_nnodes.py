@@ -17,7 +17,7 @@ from harness import TOKEN, Running
 
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.state import MasterSettings
-from dlfleet.worker.agent.loop import EXIT_NODE_LOST
+from dlfleet.worker.agent.phases import EXIT_NODE_LOST
 
 pytestmark = pytest.mark.integration
 

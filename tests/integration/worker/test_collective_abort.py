@@ -68,7 +68,7 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
     import signal
     import subprocess
 
-    from dlfleet.worker.agent.loop import process_stopped
+    from dlfleet.worker.agent.processes import process_stopped
 
     proc = subprocess.Popen(["sleep", "30"])
     try:

@@ -228,6 +228,74 @@ def test_while_the_master_is_away_saves_do_not_wait_and_commit_once_it_is_back(
     assert not a.keeper.master_away and not b.keeper.master_away
 
 
+def saved_by_both(a: Node, b: Node, step: int) -> dict[str, int]:
+    """Rank 0 on a and rank 1 on b save `step` at once; each node's answer."""
+    import threading
+
+    answers: dict[str, int] = {}
+
+    def one(node: Node, rank: int, name: str) -> None:
+        answers[name] = save(node, rank, step).committed_step
+
+    threads = [
+        threading.Thread(target=one, args=(a, 0, "a")),
+        threading.Thread(target=one, args=(b, 1, "b")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    assert len(answers) == 2, "a save was not answered"
+    return answers
+
+
+def test_a_node_lost_while_the_master_is_away_leaves_its_peer_holding_the_step_whole(
+    nodes: tuple[Running, Node, Node], start_master: Any
+) -> None:
+    """With the master away, a save is answered once its node holds every
+    rank's image of the step (own and replica): that step is told committed.
+    b is then lost; the master, back, hears from a every image it held and
+    restores the step told committed from a alone, not the step committed
+    before the outage."""
+    master, a, b = nodes
+    saved_by_both(a, b, 3)
+    assert master.client.checkpoint_status().replicated_step == 3
+    port = int(master.address.rsplit(":", 1)[1])
+    start_master.stop(master)
+
+    for step in (4, 5):
+        assert saved_by_both(a, b, step) == {"a": step, "b": step}
+    assert a.keeper.find(5, 1) is not None  # b's image of step 5, as a replica
+    b.close()  # lost: its memory with it, and it never reports again
+
+    back = start_master(SETTINGS, port=port)  # the same address and store: a restart
+    back.client.deregister_node(b.node_id, b.incarnation)
+    assert a.keeper.wait_reconciled(20)
+    latest = back.client.latest_checkpoint()
+    assert latest.step == 5
+    assert {(c.rank, c.node_id, c.replica) for c in latest.copies} == {
+        (0, a.node_id, False),
+        (1, a.node_id, True),
+    }
+
+
+def test_the_replica_of_the_step_told_committed_outlives_newer_replicas(
+    nodes: tuple[Running, Node, Node], start_master: Any
+) -> None:
+    """A replica slot is reused oldest first, but never the one holding the
+    step this node's workers were told is committed: with the master away,
+    a holds step 4 whole and answered so; b's images of steps 5 and 6 come
+    (a saves neither), and a still holds b's image of step 4."""
+    master, a, b = nodes
+    saved_by_both(a, b, 3)
+    start_master.stop(master)
+    assert saved_by_both(a, b, 4) == {"a": 4, "b": 4}
+    for step in (5, 6):
+        assert save(b, 1, step).committed_step == 4  # b never holds 5 or 6 whole
+    wait_for(lambda: a.keeper.find(6, 1) is not None, "b's step 6 on a")
+    assert a.keeper.find(4, 1) is not None
+
+
 def test_an_image_fetched_from_the_peer_is_the_saved_image_byte_for_byte(
     nodes: tuple[Running, Node, Node],
 ) -> None:

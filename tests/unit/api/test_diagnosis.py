@@ -38,6 +38,13 @@ def traceback(error: str, line: str = "step(batch)") -> str:
 
 CASES: list[tuple[str, FailureFacts, str, Category, Action]] = [
     (
+        "the master's restart-loop breaker gave up",
+        FailureFacts(exit_code=1, message="restart loop: ...", restart_loop=True),
+        "restart-loop",
+        Category.USER_ERROR,
+        Action.FAIL_JOB,
+    ),
+    (
         "watchdog",
         FailureFacts(exit_code=-1, message="hung: no training step for 6.0s", hung=True),
         "hang-watchdog",

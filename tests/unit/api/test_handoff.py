@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlfleet.api.client import _Handoff, _request_ids
+from dlfleet.api.client.leases import _request_ids
+from dlfleet.api.client.loop import _Handoff
 
 
 @pytest.fixture

@@ -66,7 +66,7 @@ def test_every_kind_of_tensor_view_is_saved_by_value(
     """Contiguous host tensors are memmoved (split in pieces over threads when
     torch has several); views whose bytes are not their values are copied by
     torch: transposed, negated or conjugated lazily, or offset into storage."""
-    monkeypatch.setattr(image, "_PARALLEL_COPY_BYTES", 4096)
+    monkeypatch.setattr(files, "DIGEST_PIECE_BYTES", 4096)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     base = torch.arange(6000, dtype=torch.float32).view(60, 100)
     complex_ = torch.randn(300, dtype=torch.complex64)
@@ -116,7 +116,7 @@ def test_a_foreign_or_malformed_header_is_rejected(data: bytes) -> None:
 
 
 def test_a_body_that_is_short_foreign_or_corrupt_is_rejected(tmp_path: Path) -> None:
-    with ImageWriter(tmp_path, rank=0, checksum=True) as writer:
+    with ImageWriter(tmp_path, rank=0) as writer:
         saved = writer.write(3, training_state(0), round=1, world_size=1, protect=None)
     header, body = files.read_image_bytes(saved.header_path)
     with pytest.raises(ImageFormatError, match="bytes"):
@@ -161,9 +161,9 @@ def test_the_old_header_is_gone_before_the_body_changes(
     seen: list[list[int]] = []
     real_copy = image._copy_items
 
-    def copy_and_look(body: torch.Tensor, planned: list[Any]) -> None:
+    def copy_and_look(body: torch.Tensor, planned: list[Any]) -> list[tuple[int, ...]]:
         seen.append([i.header.step for i in files.list_images(tmp_path)])
-        real_copy(body, planned)
+        return real_copy(body, planned)
 
     monkeypatch.setattr(image, "_copy_items", copy_and_look)
     with ImageWriter(tmp_path, rank=0) as writer:
@@ -176,7 +176,7 @@ def test_the_old_header_is_gone_before_the_body_changes(
 def test_a_save_that_fails_midway_leaves_no_half_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_copy(body: torch.Tensor, planned: list[Any]) -> None:
+    def broken_copy(body: torch.Tensor, planned: list[Any]) -> list[tuple[int, ...]]:
         body[files.PREAMBLE_BYTES :].fill_(0xAB)
         raise OSError("device lost")
 

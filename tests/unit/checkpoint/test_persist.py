@@ -21,6 +21,7 @@ from dlfleet.worker.checkpoint.errors import (
 )
 from dlfleet.worker.checkpoint.image import ImageWriter, LocalImage
 from dlfleet.worker.checkpoint.persist import (
+    MANIFEST,
     METADATA,
     SHARDED,
     finish,
@@ -28,6 +29,7 @@ from dlfleet.worker.checkpoint.persist import (
     load_persisted_full,
     missing_parts,
     newest_persisted,
+    partial_folder,
     persist,
     prune,
     step_folder,
@@ -86,7 +88,8 @@ def test_a_folder_is_complete_only_once_every_rank_wrote_its_part(tmp_path: Path
     folder = finish(step_folder(root, 1), world_size=2, round=4, timeout=1.0)
     assert newest_persisted(root) == (1, folder)
     names = sorted(p.name for p in folder.iterdir())
-    assert names == [SHARDED, METADATA, "__0_0.distcp", "__1_0.distcp"]
+    assert names == [MANIFEST, SHARDED, METADATA, "__0_0.distcp", "__1_0.distcp"]
+    assert not partial_folder(folder).exists()
     template: dict[str, Any] = {"w": torch.zeros(4, 3), "n": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -72,13 +72,37 @@ def test_a_step_is_committed_only_once_every_rank_saved_its_own_image() -> None:
     answer, _ = table.report(report("n0", 10, [own(0, "n0")]))
     assert answer.committed_step == NONE
     assert table.latest() is None
-    # A replica of rank 1 is not rank 1's own save: still not committed.
-    answer, _ = table.report(report("n0", 10, [replica(1, "n0")]))
-    assert answer.committed_step == NONE
     answer, _ = table.report(report("n1", 10, [own(1, "n1")]))
     assert answer.committed_step == 10
     latest = table.latest()
     assert latest is not None and (latest.step, latest.round, latest.world_size) == (10, 1, 2)
+
+
+def test_a_replica_counts_as_its_ranks_save_so_a_survivor_alone_can_commit_a_step() -> None:
+    """The double fault: n1 saved step 10 and copied it to n0 while the
+    master was away, then n1 was lost. n0's own image and its replica of
+    n1's make step 10 committed and restorable from n0 alone."""
+    table = CheckpointTable()
+    save(table, 5)
+    answer, _ = table.report(report("n0", 10, [own(0, "n0")]))
+    assert answer.committed_step == 5
+    table.node_gone("n1")
+    answer, _ = table.report(report("n0", 10, [replica(1, "n0")]))
+    assert answer.committed_step == 10
+    latest = table.latest()
+    assert latest is not None and latest.step == 10
+    assert [(c.rank, c.node_id, c.replica) for c in latest.copies] == [
+        (0, "n0", False),
+        (1, "n0", True),
+    ]
+    # Rank 0's image is on n0 only: losing n0 would lose it, so not replicated.
+    assert answer.replicated_step == 5
+
+
+def test_a_replica_alone_of_one_rank_commits_nothing() -> None:
+    table = CheckpointTable()
+    answer, _ = table.report(report("n0", 10, [replica(1, "n0")]))
+    assert answer.committed_step == NONE and table.latest() is None
 
 
 def test_a_step_is_replicated_once_every_ranks_image_is_also_on_a_second_node() -> None:

@@ -4,10 +4,12 @@ replicas, copies on gone nodes, drops of old steps), loses nodes, persists
 steps, and after every step checks the invariants of
 `dlfleet.master.core.checkpoints`:
 
-- `latest()` is committed (every rank's own image was reported in its round)
+- `latest()` is committed (every rank's image was reported in its round, own
+  or replica)
   and has a copy of every rank, none on a gone node, own copies first;
 - the replicated step is the newest committed one whose every rank also had a
-  replica reported, or whose own images all came from one node;
+  replica reported, or whose images all came from one node and none as a
+  replica;
 - a stale report (an older round) changes nothing;
 - no record of an older round sits at or above a step a newer round saved;
 - the table stays within `keep_steps`, and its per-rank counts match its copies;
@@ -22,7 +24,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from dlfleet.master.core.checkpoint_events import CheckpointEvent, ImageCopy
+from dlfleet.master.core.checkpoint_events import CheckpointEvent, ImageCopy, StepDropped
 from dlfleet.master.core.checkpoints import (
     CheckpointReport,
     CheckpointSettings,
@@ -46,7 +48,8 @@ class CheckpointTableMachine(RuleBasedStateMachine):
         self.journal: list[str] = []
         self.incarnation = dict.fromkeys(NAMES, 1)
         self.gone: set[str] = set()
-        # Ranks whose own image was accepted, per (round, step): the model of "committed".
+        # Ranks with an accepted copy (own or replica), per (round, step): the
+        # model of "committed".
         self.saved: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
         # ... and ranks with an accepted replica, nodes with an accepted own image.
         self.replicas: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
@@ -117,11 +120,18 @@ class CheckpointTableMachine(RuleBasedStateMachine):
             for copy in images.values():
                 if copy.node_id in self.gone:
                     continue
+                self.saved[(round_, step)].add(copy.rank)
                 if copy.replica:
                     self.replicas[(round_, step)].add(copy.rank)
                 else:
-                    self.saved[(round_, step)].add(copy.rank)
                     self.savers[(round_, step)].add(copy.node_id)
+        for dropped in events:
+            if isinstance(dropped, StepDropped):
+                # Over the bound: the record goes with what was reported of
+                # it, and a later report of that step starts a new one.
+                for model in (self.saved, self.replicas, self.savers):
+                    for key in [key for key in model if key[1] == dropped.step]:
+                        del model[key]
 
     @rule(name=st.sampled_from(NAMES))
     def lose_node(self, name: str) -> None:
@@ -177,9 +187,8 @@ class CheckpointTableMachine(RuleBasedStateMachine):
         for step, record in self.table.records.items():
             key = (record.round, step)
             ranks = set(range(record.world_size))
-            if self.saved[key] >= ranks and (
-                len(self.savers[key]) <= 1 or self.replicas[key] >= ranks
-            ):
+            alone = len(self.savers[key]) <= 1 and not self.replicas[key]
+            if self.saved[key] >= ranks and (alone or self.replicas[key] >= ranks):
                 expected = max(expected, step)
         assert self.table.replicated_step() == expected
         assert self.table.status().replicated_step == expected

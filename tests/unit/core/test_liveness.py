@@ -3,12 +3,15 @@ stale; a node silent for longer than the timeout is reported dead once."""
 
 from __future__ import annotations
 
+import json
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
 from dlfleet.api.errors import InvalidArgument, StaleError
-from dlfleet.master.core.liveness import MAX_NODE_NAME, LivenessSettings, NodeTable
+from dlfleet.master.core.liveness import MAX_NODE_NAME, LivenessSettings, NodeRecord, NodeTable
+from dlfleet.master.core.node_events import NodeEvent, NodeForgotten, NodeRegistered
 
 TIMEOUT = 1_000
 
@@ -17,9 +20,20 @@ def table() -> NodeTable:
     return NodeTable(LivenessSettings(heartbeat_interval_ms=100, heartbeat_timeout_ms=TIMEOUT))
 
 
+def register(
+    nodes: NodeTable, name: str, local_world_size: int, host: str, now_ms: int
+) -> NodeRecord:
+    """The record of a new incarnation (the events are the journal's)."""
+    return nodes.register(name, local_world_size, host, now_ms)[0]
+
+
+def expired(nodes: NodeTable, now_ms: int) -> list[str]:
+    return [event.node_id for event in nodes.expire(now_ms)]
+
+
 def test_registering_the_same_name_again_gives_the_next_incarnation() -> None:
     nodes = table()
-    records = [nodes.register("worker-0", 8, "host-a", now_ms=t) for t in (0, 10, 20)]
+    records = [register(nodes, "worker-0", 8, "host-a", now_ms=t) for t in (0, 10, 20)]
     assert [r.incarnation for r in records] == [1, 2, 3]
     assert [r.node_id for r in records] == ["worker-0#1", "worker-0#2", "worker-0#3"]
     assert nodes.nodes["worker-0"] is records[-1]
@@ -27,13 +41,13 @@ def test_registering_the_same_name_again_gives_the_next_incarnation() -> None:
 
 def test_incarnations_are_counted_per_name() -> None:
     nodes = table()
-    nodes.register("a", 1, "h", now_ms=0)
-    assert nodes.register("b", 1, "h", now_ms=0).node_id == "b#1"
-    assert nodes.register("a", 1, "h", now_ms=0).node_id == "a#2"
+    register(nodes, "a", 1, "h", now_ms=0)
+    assert register(nodes, "b", 1, "h", now_ms=0).node_id == "b#1"
+    assert register(nodes, "a", 1, "h", now_ms=0).node_id == "a#2"
 
 
 def test_a_registration_records_what_the_node_said() -> None:
-    record = table().register("n", 4, "10.0.0.7", now_ms=123)
+    record = register(table(), "n", 4, "10.0.0.7", now_ms=123)
     assert (record.name, record.local_world_size, record.host, record.last_seen_ms) == (
         "n",
         4,
@@ -44,15 +58,15 @@ def test_a_registration_records_what_the_node_said() -> None:
 
 def test_incarnations_keep_counting_after_the_node_expired() -> None:
     nodes = table()
-    nodes.register("n", 1, "h", now_ms=0)
+    register(nodes, "n", 1, "h", now_ms=0)
     assert [r.node_id for r in nodes.expire(now_ms=TIMEOUT + 1)] == ["n#1"]
-    assert nodes.register("n", 1, "h", now_ms=TIMEOUT + 2).incarnation == 2
+    assert register(nodes, "n", 1, "h", now_ms=TIMEOUT + 2).incarnation == 2
 
 
 def test_heartbeat_of_an_older_incarnation_is_stale() -> None:
     nodes = table()
-    old = nodes.register("n", 1, "h", now_ms=0)
-    new = nodes.register("n", 1, "h", now_ms=5)
+    old = register(nodes, "n", 1, "h", now_ms=0)
+    new = register(nodes, "n", 1, "h", now_ms=5)
     with pytest.raises(StaleError):
         nodes.heartbeat(old.node_id, old.incarnation, now_ms=10)
     nodes.heartbeat(new.node_id, new.incarnation, now_ms=10)
@@ -67,7 +81,7 @@ def test_heartbeat_with_a_mismatched_id_or_incarnation_is_stale(
     node_id: str, incarnation: int
 ) -> None:
     nodes = table()
-    nodes.register("n", 1, "h", now_ms=0)
+    register(nodes, "n", 1, "h", now_ms=0)
     with pytest.raises(StaleError):
         nodes.heartbeat(node_id, incarnation, now_ms=1)
     assert nodes.nodes["n"].last_seen_ms == 0
@@ -75,41 +89,40 @@ def test_heartbeat_with_a_mismatched_id_or_incarnation_is_stale(
 
 def test_heartbeat_never_moves_last_seen_backwards() -> None:
     nodes = table()
-    record = nodes.register("n", 1, "h", now_ms=500)
+    record = register(nodes, "n", 1, "h", now_ms=500)
     nodes.heartbeat(record.node_id, 1, now_ms=100)
     assert record.last_seen_ms == 500
 
 
 def test_a_node_silent_for_exactly_the_timeout_is_still_alive() -> None:
     nodes = table()
-    nodes.register("n", 1, "h", now_ms=0)
+    register(nodes, "n", 1, "h", now_ms=0)
     assert nodes.expire(now_ms=TIMEOUT) == []
     assert "n" in nodes.nodes
 
 
 def test_a_node_silent_longer_than_the_timeout_expires_exactly_once() -> None:
     nodes = table()
-    record = nodes.register("n", 1, "h", now_ms=0)
-    assert nodes.expire(now_ms=TIMEOUT + 1) == [record]
-    assert nodes.expire(now_ms=TIMEOUT + 2) == []
-    assert nodes.expire(now_ms=10 * TIMEOUT) == []
+    record = register(nodes, "n", 1, "h", now_ms=0)
+    assert expired(nodes, now_ms=TIMEOUT + 1) == [record.node_id]
+    assert expired(nodes, now_ms=TIMEOUT + 2) == []
+    assert expired(nodes, now_ms=10 * TIMEOUT) == []
     assert "n" not in nodes.nodes
 
 
 def test_a_node_that_beat_in_time_does_not_expire() -> None:
     nodes = table()
-    beating = nodes.register("beating", 1, "h", now_ms=0)
-    silent = nodes.register("silent", 1, "h", now_ms=0)
+    beating = register(nodes, "beating", 1, "h", now_ms=0)
+    silent = register(nodes, "silent", 1, "h", now_ms=0)
     for now in range(0, 5 * TIMEOUT, TIMEOUT // 2):
         nodes.heartbeat(beating.node_id, beating.incarnation, now_ms=now)
-    dead = nodes.expire(now_ms=5 * TIMEOUT)
-    assert dead == [silent]
+    assert expired(nodes, now_ms=5 * TIMEOUT) == [silent.node_id]
     assert list(nodes.nodes) == ["beating"]
 
 
 def test_heartbeat_of_an_expired_node_is_stale() -> None:
     nodes = table()
-    record = nodes.register("n", 1, "h", now_ms=0)
+    record = register(nodes, "n", 1, "h", now_ms=0)
     nodes.expire(now_ms=TIMEOUT + 1)
     with pytest.raises(StaleError):
         nodes.heartbeat(record.node_id, record.incarnation, now_ms=TIMEOUT + 2)
@@ -117,9 +130,10 @@ def test_heartbeat_of_an_expired_node_is_stale() -> None:
 
 def test_a_forgotten_node_is_stale_and_never_expires() -> None:
     nodes = table()
-    record = nodes.register("n", 1, "h", now_ms=0)
-    nodes.forget("n")
-    nodes.forget("never-registered")
+    record = register(nodes, "n", 1, "h", now_ms=0)
+    assert nodes.forget("n#1") == [NodeForgotten("n", 1, 1, "h")]
+    assert nodes.forget("n#1") == []
+    assert nodes.forget("never-registered#1") == []
     with pytest.raises(StaleError):
         nodes.live(record.node_id, record.incarnation)
     assert nodes.expire(now_ms=10 * TIMEOUT) == []
@@ -127,10 +141,10 @@ def test_a_forgotten_node_is_stale_and_never_expires() -> None:
 
 def test_a_restored_node_gets_a_full_timeout_and_keeps_its_incarnation() -> None:
     nodes = table()
-    nodes.restore("n", 4, 2, "h", now_ms=5_000)
+    nodes.apply(NodeRegistered("n", 4, 2, "h", registered_ms=5_000))
     assert nodes.live("n#4", 4).last_seen_ms == 5_000
     assert nodes.expire(now_ms=5_000 + TIMEOUT) == []
-    assert nodes.register("n", 2, "h", now_ms=5_001).incarnation == 5
+    assert register(nodes, "n", 2, "h", now_ms=5_001).incarnation == 5
 
 
 @pytest.mark.parametrize(
@@ -140,32 +154,32 @@ def test_a_restored_node_gets_a_full_timeout_and_keeps_its_incarnation() -> None
 def test_bad_node_name_is_invalid_argument(name: str) -> None:
     nodes = table()
     with pytest.raises(InvalidArgument, match="node name"):
-        nodes.register(name, 1, "h", now_ms=0)
+        register(nodes, name, 1, "h", now_ms=0)
     assert nodes.nodes == {}
 
 
 def test_a_name_of_the_maximum_length_is_accepted() -> None:
-    table().register("x" * MAX_NODE_NAME, 1, "h", now_ms=0)
+    register(table(), "x" * MAX_NODE_NAME, 1, "h", now_ms=0)
 
 
 @pytest.mark.parametrize("local_world_size", [0, -1, 1025])
 def test_bad_local_world_size_is_invalid_argument(local_world_size: int) -> None:
     nodes = table()
     with pytest.raises(InvalidArgument, match="local_world_size"):
-        nodes.register("n", local_world_size, "h", now_ms=0)
+        register(nodes, "n", local_world_size, "h", now_ms=0)
     assert nodes.nodes == {}
 
 
 def test_a_rejected_registration_does_not_use_up_an_incarnation() -> None:
     nodes = table()
     with pytest.raises(InvalidArgument):
-        nodes.register("n", 0, "h", now_ms=0)
-    assert nodes.register("n", 1, "h", now_ms=0).incarnation == 1
+        register(nodes, "n", 0, "h", now_ms=0)
+    assert register(nodes, "n", 1, "h", now_ms=0).incarnation == 1
 
 
 @pytest.mark.parametrize("local_world_size", [1, 1024])
 def test_local_world_size_limits_are_accepted(local_world_size: int) -> None:
-    assert table().register("n", local_world_size, "h", now_ms=0).local_world_size == (
+    assert register(table(), "n", local_world_size, "h", now_ms=0).local_world_size == (
         local_world_size
     )
 
@@ -193,16 +207,57 @@ def test_expire_finds_exactly_the_nodes_a_scan_of_all_would(
         name = f"n{which}"
         record = nodes.nodes.get(name)
         if op == "register":
-            nodes.register(name, 1, "h", now)
+            register(nodes, name, 1, "h", now)
         elif op == "beat" and record is not None:
             nodes.heartbeat(record.node_id, record.incarnation, now)
         elif op == "forget":
-            nodes.forget(name)
+            if record is not None:
+                nodes.forget(record.node_id)
         elif op == "restore":
-            nodes.restore(name, 7, 1, "h", now)
+            nodes.apply(NodeRegistered(name, 7, 1, "h", now))
         elif op == "expire":
             silent = sorted(
                 r.node_id for r in nodes.nodes.values() if now - r.last_seen_ms > TIMEOUT
             )
             assert sorted(r.node_id for r in nodes.expire(now)) == silent
             assert all(now - r.last_seen_ms <= TIMEOUT for r in nodes.nodes.values())
+
+
+def test_a_registration_that_replaces_a_live_incarnation_forgets_it_first() -> None:
+    nodes = table()
+    old = register(nodes, "n", 2, "h", now_ms=0)
+    record, events = nodes.register("n", 4, "h2", now_ms=7)
+    assert events == [NodeForgotten("n", 1, 2, "h"), NodeRegistered("n", 2, 4, "h2", 7)]
+    assert [event.node_id for event in events] == [old.node_id, record.node_id]
+    assert nodes.forget(old.node_id) == []  # the older incarnation is gone already
+
+
+def test_a_heartbeat_changes_no_event_and_replay_gives_a_full_timeout_from_the_event() -> None:
+    live = table()
+    events = live.register("a", 1, "h", now_ms=10)[1] + live.register("b", 2, "h", now_ms=20)[1]
+    events += live.register("a", 3, "h", now_ms=30)[1]
+    events += live.forget("b#1")
+    replayed = table()
+    for event in events:
+        replayed.apply(event)
+    assert replayed.nodes == live.nodes
+    assert register(replayed, "a", 1, "h", now_ms=40).incarnation == 3
+    assert register(replayed, "b", 1, "h", now_ms=40).incarnation == 2
+
+
+@pytest.mark.parametrize(
+    "event",
+    [NodeRegistered("n", 3, 8, "10.0.0.1", registered_ms=1_234), NodeForgotten("n", 3, 8, "h")],
+)
+def test_node_events_round_trip_through_json(event: NodeRegistered | NodeForgotten) -> None:
+    assert NodeEvent.from_json(event.to_json()) == event
+
+
+def test_node_events_keep_the_nodes_streams_wire_format() -> None:
+    """What the "nodes" stream held before these were events still reads."""
+    old = '{"t": "node", "name": "n", "incarnation": 2, "local_world_size": 4, "host": "h"}'
+    assert NodeEvent.from_json(old) == NodeRegistered("n", 2, 4, "h", registered_ms=0)
+    gone = {"t": "node_gone", "name": "n", "incarnation": 2, "local_world_size": 4, "host": "h"}
+    assert json.loads(NodeForgotten("n", 2, 4, "h").to_json()) == gone
+    registered = json.loads(NodeRegistered("n", 2, 4, "h", registered_ms=5).to_json())
+    assert registered == {**gone, "t": "node", "registered_ms": 5}

@@ -5,38 +5,34 @@ a short job counted the start-up (half the rate at the end of a job of 8 s
 of training) and stood at zero while the master heard of no ack. The ETA
 follows from it.
 
-A real JobRunner with nodes that have no processes (a launch far in the
-future, marked running); the master's answer is set directly."""
+A real JobRunner over fakes (tests/fakes/job.py): two nodes with no
+processes that finish at the third poll, and a master that gives the
+answer the test sets. The first status the runner shows is read."""
 
 from __future__ import annotations
 
-import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakes.job import FakeMasterClient, FakePlatform, RecordingDisplay, run_job
 
 from dlfleet.api.status_document import samples_per_second
 from dlfleet.api.v1 import job_pb2, rendezvous_pb2
-from dlfleet.master.job.display import PlainDisplay
-from dlfleet.master.job.jobconfig import parse_job_config
-from dlfleet.master.job.platform import NodeState
-from dlfleet.master.job.platform.local import LocalPlatform
-from dlfleet.master.job.runner import JobRunner
+from dlfleet.master.job.jobconfig import JobConfig, parse_job_config
 
 
 @pytest.fixture
-def runner(tmp_path: Path) -> Iterator[JobRunner]:
+def config(tmp_path: Path) -> JobConfig:
     (tmp_path / "train.py").write_text("")
-    config = parse_job_config(
-        {"name": "rates", "command": "train.py", "nodes": {"min": 2, "max": 2}},
+    return parse_job_config(
+        {
+            "name": "rates",
+            "command": "train.py",
+            "nodes": {"min": 2, "max": 2},
+            "brain": {"mode": "off"},
+        },
         base_dir=tmp_path,
     )
-    made = JobRunner(config, PlainDisplay(io.StringIO()))
-    made.platform = LocalPlatform(config, master="127.0.0.1:1", token="t")
-    for _ in range(2):
-        made.platform.add_node(delay_s=3600).state = NodeState.RUNNING
-    yield made
 
 
 def master_view(done: int, rates: dict[str, float]) -> job_pb2.MasterStatus:
@@ -51,17 +47,24 @@ def master_view(done: int, rates: dict[str, float]) -> job_pb2.MasterStatus:
     )
 
 
-def test_the_jobs_rate_is_the_sum_of_its_nodes_from_the_first_report(runner: JobRunner) -> None:
-    runner.view = master_view(4096, {"node-0#1": 480.0, "node-1#1": 520.0})
-    status = runner.status()
+def first_status(config: JobConfig, view: job_pb2.MasterStatus) -> job_pb2.JobStatus:
+    platform = FakePlatform(config.work_dir / "logs")
+    for name in ("node-0", "node-1"):
+        platform.end(name, 0, at_poll=3)
+    display = RecordingDisplay()
+    run_job(config, platform, FakeMasterClient(view), display)
+    return display.statuses[0]
+
+
+def test_the_jobs_rate_is_the_sum_of_its_nodes_from_the_first_report(config: JobConfig) -> None:
+    status = first_status(config, master_view(4096, {"node-0#1": 480.0, "node-1#1": 520.0}))
     assert [n.metrics.samples_per_second for n in status.nodes] == [480.0, 520.0]
     assert status.samples_per_second == pytest.approx(1000.0)
     assert status.eta_seconds == pytest.approx(4096 / 1000.0)
 
 
-def test_a_job_whose_nodes_report_no_rate_has_no_eta(runner: JobRunner) -> None:
-    runner.view = master_view(0, {})
-    status = runner.status()
+def test_a_job_whose_nodes_report_no_rate_has_no_eta(config: JobConfig) -> None:
+    status = first_status(config, master_view(0, {}))
     assert status.samples_per_second == 0.0 and status.eta_seconds == -1
 
 
@@ -73,6 +76,19 @@ def test_the_sum_counts_only_nodes_with_metrics() -> None:
     assert samples_per_second(nodes) == 2.5
 
 
-def test_a_job_with_every_record_done_has_nothing_left_to_wait_for(runner: JobRunner) -> None:
-    runner.view = master_view(8192, {})
-    assert runner.status().eta_seconds == 0
+def test_a_job_with_every_record_done_has_nothing_left_to_wait_for(config: JobConfig) -> None:
+    assert first_status(config, master_view(8192, {})).eta_seconds == 0
+
+
+def test_the_masters_goodput_ledger_is_in_the_supervisors_status(config: JobConfig) -> None:
+    view = master_view(4096, {"node-0#1": 480.0})
+    view.goodput.CopyFrom(
+        job_pb2.Goodput(
+            ratio=0.9,
+            window_seconds=100.0,
+            productive_seconds=90.0,
+            badput=[job_pb2.Badput(cause="restart", seconds=10.0)],
+        )
+    )
+    status = first_status(config, view)
+    assert status.goodput == view.goodput

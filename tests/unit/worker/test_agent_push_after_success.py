@@ -4,32 +4,24 @@ arrives as the job ends would otherwise wait in a round whose leader left);
 with its workers still running, the push makes it rejoin.
 
 A real Agent and real worker processes (a script that exits 0 at once, or
-sleeps). `_Session` stands in for the master's session stream (an
-AgentSession needs a master): its `events` queue is where the push lands, as
-AgentSession's reader thread puts it."""
+sleeps); the master is `fakes.agent.FakeMasterClient`, whose session is where
+the test puts the push, as AgentSession's reader puts what the master sends."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from pathlib import Path
 
-from dlfleet.api.v1 import rendezvous_pb2
+from fakes.agent import FakeMasterClient, FakeSession
+
 from dlfleet.worker.agent.config import HostProbe, parse_args
 from dlfleet.worker.agent.env import RoundAssignment
-from dlfleet.worker.agent.loop import Agent, Rejoining, Running, Succeeded
+from dlfleet.worker.agent.loop import Agent
+from dlfleet.worker.agent.phases import Rejoining, Running, Succeeded
 from dlfleet.worker.agent.workers import GroupStatus, WorkerGroup
 
 
-class _Session:
-    def __init__(self) -> None:
-        self.events: queue.Queue[rendezvous_pb2.SessionEvent] = queue.Queue()
-        self.closed_by_master = threading.Event()
-        self.round = 1
-
-
-def agent_with_workers(tmp_path: Path, seconds: float) -> tuple[Agent, Running]:
+def agent_with_workers(tmp_path: Path, seconds: float) -> tuple[Agent, FakeSession, Running]:
     script = tmp_path / "train.py"
     script.write_text(f"import time; time.sleep({seconds})\n")
     probe = HostProbe(hostname=lambda: "n", cpu_count=lambda: 2, accelerator_count=lambda: 0)
@@ -38,8 +30,10 @@ def agent_with_workers(tmp_path: Path, seconds: float) -> tuple[Agent, Running]:
         {"DLFLEET_MASTER": "127.0.0.1:1", "DLFLEET_TOKEN": "t"},
         probe,
     )
-    agent = Agent(config)
-    agent.session = _Session()  # type: ignore[assignment]
+    client = FakeMasterClient()
+    agent = Agent(config, client=client)
+    session = agent.session = client.agent_session("n#1", 1, 0.1)
+    session.round = 1
     agent.group = WorkerGroup()
     agent.group.start(config, [{}, {}], tmp_path / "logs", 1)
     assignment = RoundAssignment(
@@ -52,33 +46,24 @@ def agent_with_workers(tmp_path: Path, seconds: float) -> tuple[Agent, Running]:
         bootstrap_host="127.0.0.1",
         bootstrap_port=1,
     )
-    return agent, Running(assignment, restart_count=0)
-
-
-def push(agent: Agent) -> None:
-    assert agent.session is not None
-    agent.session.events.put(
-        rendezvous_pb2.SessionEvent(
-            re_rendezvous=rendezvous_pb2.ReRendezvous(closed_round=1, reason="c is waiting")
-        )
-    )
+    return agent, session, Running(assignment, restart_count=0)
 
 
 def test_workers_done_before_the_push_end_the_node_as_succeeded(tmp_path: Path) -> None:
-    agent, running = agent_with_workers(tmp_path, 0)
+    agent, session, running = agent_with_workers(tmp_path, 0)
     assert agent.group is not None
     deadline = time.monotonic() + 30
     while agent.group.poll().status is not GroupStatus.SUCCEEDED:
         assert time.monotonic() < deadline, "the workers did not exit"
         time.sleep(0.05)
-    push(agent)
+    session.push(closed_round=1, reason="c is waiting")
     assert isinstance(agent._watch(running), Succeeded)
     agent.client.close()
 
 
 def test_workers_still_running_rejoin_on_the_push(tmp_path: Path) -> None:
-    agent, running = agent_with_workers(tmp_path, 60)
-    push(agent)
+    agent, session, running = agent_with_workers(tmp_path, 60)
+    session.push(closed_round=1, reason="c is waiting")
     try:
         assert isinstance(agent._watch(running), Rejoining)
     finally:

@@ -119,3 +119,46 @@ def test_a_worker_writes_when_it_counted(tmp_path: Path) -> None:
     counts = progress.read_counts(str(path))
     assert counts is not None and (counts.steps, counts.samples) == (1, 8)
     assert counts.at is not None and before <= counts.at <= time.monotonic()
+
+
+def test_a_save_hands_its_blocking_and_step_to_the_progress_file(tmp_path: Path) -> None:
+    path = tmp_path / "0"
+    code = (
+        "import os, sys; os.environ['DLFLEET_PROGRESS_FILE'] = sys.argv[1]\n"
+        "from dlfleet.worker import progress\n"
+        "progress.step(8)\n"
+        "progress.saved(40, 0.25)\n"
+        "progress.step(8)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+    counts = progress.read_counts(str(path))
+    assert counts is not None and (counts.steps, counts.samples) == (2, 16)
+    assert counts.blocked_s == pytest.approx(0.25)
+    assert counts.trained_step == 41
+
+
+def test_a_file_without_a_save_or_of_an_older_form_reads_as_none_blocked(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "0").write_text("12 96 18.5 0.000000 -1\n")
+    assert progress.read_counts(str(tmp_path / "0")) == Counts(12, 96, 18.5, 0.0, None)
+    (tmp_path / "0").write_text("12 96 18.5\n")
+    assert progress.read_counts(str(tmp_path / "0")) == Counts(12, 96, 18.5, 0.0, None)
+
+
+def test_the_sampler_reports_rank_0s_checkpoint_blocking_and_trained_step(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "0").write_text("100 800 1000.0 1.500000 340\n")
+    metrics = NodeSampler(tmp_path, [999_999_999]).sample()
+    assert metrics.checkpoint_blocked_s == pytest.approx(1.5)
+    assert metrics.trained_step == 340
+    (tmp_path / "0").write_text("100 800\n")
+    metrics = NodeSampler(tmp_path, [999_999_999]).sample()
+    assert (metrics.checkpoint_blocked_s, metrics.trained_step) == (0.0, 0)
+
+
+def test_the_sampler_reports_how_old_rank_0s_counts_are(tmp_path: Path) -> None:
+    (tmp_path / "0").write_text(f"100 800 {time.monotonic() - 2.0:.6f} 0.0 -1\n")
+    metrics = NodeSampler(tmp_path, [999_999_999]).sample()
+    assert metrics.steps_age_s == pytest.approx(2.0, abs=0.5)

@@ -10,14 +10,15 @@ import time
 
 from dlfleet.api.v1 import checkpoint_pb2
 from dlfleet.worker.agent.orders import WorkerOrders
+from dlfleet.worker.elastic.channel import Abort, Run, WorkState, order_from_wire
 
 
-def run(round_: int) -> checkpoint_pb2.WorkerOrder:
-    return checkpoint_pb2.WorkerOrder(run=checkpoint_pb2.RunOrder(round=round_))
+def run(round_: int) -> Run:
+    return Run(checkpoint_pb2.RunOrder(round=round_))
 
 
-def abort(round_: int) -> checkpoint_pb2.WorkerOrder:
-    return checkpoint_pb2.WorkerOrder(abort=checkpoint_pb2.AbortOrder(round=round_))
+def abort(round_: int) -> Abort:
+    return Abort(round_, "")
 
 
 def test_orders_reach_an_attached_process_in_the_order_they_were_sent() -> None:
@@ -25,9 +26,8 @@ def test_orders_reach_an_attached_process_in_the_order_they_were_sent() -> None:
     line = orders.open_line(10, spare=False)
     assert orders.send(10, run(1)) and orders.send(10, abort(1)) and orders.send(10, run(2))
     orders.close_line(line)
-    got = list(orders.orders_of(line))
-    assert [o.WhichOneof("order") for o in got] == ["run", "abort", "run"]
-    assert [got[0].run.round, got[2].run.round] == [1, 2]
+    got = [order_from_wire(order) for order in orders.orders_of(line)]
+    assert got == [run(1), abort(1), run(2)]
 
 
 def test_an_order_for_a_process_that_has_not_attached_is_delivered_when_it_does() -> None:
@@ -36,8 +36,8 @@ def test_an_order_for_a_process_that_has_not_attached_is_delivered_when_it_does(
     assert not orders.attached(11)
     line = orders.open_line(11, spare=False)
     delivered = line.orders.get_nowait()
-    assert delivered is not None and delivered.run.round == 3
-    assert orders.state(11) == ("ordered", 3)
+    assert delivered == run(3)
+    assert orders.state(11) == (WorkState.ORDERED, 3)
 
 
 def test_a_process_that_is_gone_is_sent_nothing() -> None:
@@ -83,3 +83,12 @@ def test_a_newer_line_of_the_same_process_replaces_the_older_one() -> None:
     assert orders.attached(30)
     orders.close_line(new)
     assert not orders.attached(30)
+
+
+def test_a_report_of_a_state_the_agent_does_not_know_changes_nothing() -> None:
+    orders = WorkerOrders()
+    orders.open_line(13, spare=False)
+    orders.report(13, 5, "dancing", "")
+    assert orders.state(13) == (WorkState.ATTACHED, 0)
+    orders.report(13, 5, "running", "")
+    assert orders.state(13) == (WorkState.RUNNING, 5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dlfleet.worker.agent.loop import EXIT_PREEMPTED
+from dlfleet.worker.agent.phases import EXIT_PREEMPTED
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 EXIT_CODE = re.compile(r"\bexit(?:s|s with| with| code)? (\d+)")

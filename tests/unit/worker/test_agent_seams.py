@@ -1,0 +1,80 @@
+"""The agent keeps its time on the clock it is given and runs its workers in
+the group its factory makes: a real Agent over `fakes` (a clock moved by
+hand, a worker group without processes, a master answered from memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fakes.agent import FakeMasterClient, FakeSession
+from fakes.clock import FakeClock
+from fakes.workers import FakeWorkerGroup
+
+from dlfleet.api.v1 import rendezvous_pb2
+from dlfleet.worker.agent.config import HostProbe, parse_args
+from dlfleet.worker.agent.env import RoundAssignment
+from dlfleet.worker.agent.loop import Agent
+from dlfleet.worker.agent.metrics import NodeSampler
+from dlfleet.worker.agent.phases import Rejoining, Running
+
+ASSIGNMENT = RoundAssignment(
+    round=1,
+    group_rank=0,
+    group_world_size=1,
+    world_size=2,
+    local_world_size=2,
+    rank_offset=0,
+    bootstrap_host="127.0.0.1",
+    bootstrap_port=1,
+)
+
+
+def running_agent(tmp_path: Path, clock: FakeClock) -> tuple[Agent, FakeSession, FakeWorkerGroup]:
+    probe = HostProbe(hostname=lambda: "n", cpu_count=lambda: 2, accelerator_count=lambda: 0)
+    config = parse_args(
+        ["--nproc-per-node", "2", "--monitor-interval", "0.01", "--log-dir", str(tmp_path), "x.py"],
+        {"DLFLEET_MASTER": "127.0.0.1:1", "DLFLEET_TOKEN": "t"},
+        probe,
+    )
+    client = FakeMasterClient()
+    agent = Agent(config, client=client, worker_group=FakeWorkerGroup, clock=clock)
+    session = agent.session = client.agent_session("n#1", 1, heartbeat_interval_s=2.0)
+    group = FakeWorkerGroup()
+    group.start(config, [{}, {}], tmp_path, 1)
+    agent.group = group
+    agent.sampler = NodeSampler(tmp_path, group.pids)
+    return agent, session, group
+
+
+def test_the_workers_are_measured_once_a_heartbeat_on_the_agents_clock(tmp_path: Path) -> None:
+    clock = FakeClock()
+    agent, session, _ = running_agent(tmp_path, clock)
+    running = Running(ASSIGNMENT, restart_count=0)
+    agent._watch(running)
+    assert session.metrics is not None  # the first watch measures
+    session.metrics = None
+    clock.advance(1.9)
+    agent._watch(running)
+    assert session.metrics is None  # within the heartbeat: not again
+    clock.advance(0.1)
+    agent._watch(running)
+    assert isinstance(session.metrics, rendezvous_pb2.NodeMetrics)
+    agent.client.close()
+
+
+def test_a_push_for_the_running_round_stops_its_workers_and_rejoins(tmp_path: Path) -> None:
+    agent, session, group = running_agent(tmp_path, FakeClock())
+    session.push(closed_round=1, reason="b left")
+    phase = agent._watch(Running(ASSIGNMENT, restart_count=0))
+    assert isinstance(phase, Rejoining) and phase.reason == "b left"
+    assert group.stopped and agent.group is None
+    agent.client.close()
+
+
+def test_a_push_for_an_older_round_changes_nothing(tmp_path: Path) -> None:
+    agent, session, group = running_agent(tmp_path, FakeClock())
+    session.push(closed_round=0, reason="before this node joined")
+    running = Running(ASSIGNMENT, restart_count=0)
+    assert agent._watch(running) is running
+    assert not group.stopped
+    agent.client.close()
