@@ -283,3 +283,69 @@ def test_a_restarted_master_goes_on_with_the_ledger_of_the_one_before(
     assert after["window_seconds"] == pytest.approx(
         (after["as_of_unix_ms"] - after["opened_unix_ms"]) / 1000, abs=0.01
     )
+
+
+def test_the_final_count_of_stopped_workers_is_productive_not_lost_to_the_restart(
+    start_master: Callable[..., Running],
+) -> None:
+    """Beats go out only when the test sends them (`beat_now`; the session's
+    own interval is longer than the test). The node's workers step 0.3 s
+    past its last beat, one fails, and its agent's last word tells their
+    final count on the closed round's session: those steps are productive."""
+    settings = MasterSettings(
+        job_name="job",
+        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
+    )
+    running = start_master(settings)
+    client = running.client
+    node = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
+    session = client.agent_session(node.node_id, node.incarnation, 600.0)
+
+    def beat(steps: int) -> None:
+        session.metrics = rendezvous_pb2.NodeMetrics(steps=steps, step_time_ms=STEP_MS)
+        assert session.beat_now()
+
+    def join() -> int:
+        answer = client.join_rendezvous(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            local_world_size=1,
+            host="127.0.0.1",
+            bootstrap_port=29500,
+        )
+        session.round = answer.round
+        return int(answer.round)
+
+    try:
+        first = join()
+        beat(0)
+        start = time.monotonic()
+        time.sleep(1.0)
+        beat(100)
+        time.sleep(0.3)  # 30 steps no heartbeat tells, then a worker fails
+        failed = time.monotonic()
+        client.report_worker_failure(
+            rendezvous_pb2.FailureReport(
+                node_id=node.node_id,
+                incarnation=node.incarnation,
+                round=first,
+                exit_code=1,
+                message="killed",
+                restarting=True,
+            )
+        )
+        beat(130)  # the last word, about round `first`
+        time.sleep(0.2)
+        assert join() == first + 1
+        beat(0)  # the next process
+        restarted = time.monotonic()
+        time.sleep(0.5)
+        beat(50)
+        status = client.master_status().goodput
+    finally:
+        session.close()
+    lost = {item.cause: item.seconds for item in status.badput}
+    stepped = (failed - start) + (time.monotonic() - restarted)
+    assert status.productive_seconds == pytest.approx(stepped, abs=0.1)
+    # Without the last word, its 0.3 s would be here.
+    assert lost[Cause.RESTART.value] == pytest.approx(restarted - failed, abs=0.1)

@@ -206,7 +206,7 @@ ops = st.builds(
     kind=st.sampled_from(
         [
             *("step", "step", "step", "interrupt", "wait", "gone", "formed"),
-            *("rolled", "restored", "blocked"),
+            *("rolled", "restored", "blocked", "stopped"),
         ]
     ),
     node=st.sampled_from(NODES),
@@ -236,6 +236,10 @@ def play(ledger: GoodputLedger, op: Op, now_ms: int, steps: dict[str, int]) -> N
         ledger.rolled_back(op.value, now_ms)
     elif op.kind == "restored":
         ledger.restored(op.value - 1, op.value + 2, now_ms)
+    elif op.kind == "stopped":
+        steps[op.node] = steps.get(op.node, 0) + op.value
+        trained = steps[op.node] if op.value % 2 else None
+        ledger.stopped(op.node, steps[op.node], now_ms, trained)
     else:
         ledger.checkpoint_blocked(op.node, op.value / 10, now_ms)
 
@@ -305,6 +309,58 @@ def test_a_stale_trained_step_rolls_back_no_more_than_the_round_counted() -> Non
     ledger.restored(32, 32, 5500)
     report = ledger.report()
     assert report.lost_ms[Cause.ROLLED_BACK] == pytest.approx(500 + 300)
+
+
+def test_steps_a_stopped_reference_made_after_its_last_beat_are_productive() -> None:
+    """The reference's process steps from 5 s to 5.6 s, then a peer dies and
+    the round closes at 6 s; its agent stops it and tells the final count at
+    6.2 s, before the next round forms: those 6 steps were training."""
+    ledger = GoodputLedger()
+    ledger.restored(-1, -1, 0)
+    ledger.stepped("a", 0, 0.0, 0)
+    step = trained(ledger, "a", 0, 0, 5)  # at step 50, counted at 5 s
+    ledger.interrupted(Cause.RESTART, Cause.RESTART, 6000)
+    ledger.stopped("a", 56, 6200, step + 6)
+    ledger.stopped("a", 56, 6500, step + 6)  # the same count again: nothing more
+    ledger.round_formed(frozenset({"a"}))
+    ledger.restored(step + 6, step + 6, 7000)  # saved every step: nothing rolled back
+    trained(ledger, "a", step + 6, 7500, 2)  # a new process, from 7.5 s
+    report = ledger.report()
+    assert report.productive_ms == pytest.approx(5000 + 600 + 2000)
+    assert report.lost_ms[Cause.RESTART] == pytest.approx(400 + 1000 + 500)
+    assert report.lost_ms[Cause.ROLLED_BACK] == 0
+
+
+def test_a_final_count_after_the_next_round_formed_rolls_back_what_it_restored_past() -> None:
+    """The same, but the round re-formed (restoring step 52) before the final
+    count came: of the 6 late steps, 4 were trained beyond step 52."""
+    ledger = GoodputLedger()
+    ledger.restored(-1, -1, 0)
+    ledger.stepped("a", 0, 0.0, 0)
+    step = trained(ledger, "a", 0, 0, 5)
+    ledger.interrupted(Cause.RESTART, Cause.RESTART, 6000)
+    ledger.round_formed(frozenset({"a"}))
+    ledger.restored(52, 52, 6100)
+    ledger.stopped("a", 56, 6200, step + 6)
+    report = ledger.report()
+    assert report.productive_ms == pytest.approx(5000 + 200)
+    assert report.lost_ms[Cause.ROLLED_BACK] == pytest.approx(400)
+    trained(ledger, "a", 52, 7000, 2)
+    assert ledger.report().lost_ms[Cause.ROLLED_BACK] == pytest.approx(400)
+
+
+def test_a_final_count_is_ignored_from_another_node_or_once_training_resumed() -> None:
+    ledger = GoodputLedger()
+    ledger.stepped("a", 0, 0.0, 0)
+    ledger.stepped("b", 0, 0.0, 0)
+    steps = train(ledger, "a", 0, 0, 5)
+    ledger.interrupted(Cause.RESTART, Cause.RESTART, 5500)
+    ledger.stopped("b", 9, 5600)  # not the reference: its steps are the job's too
+    ledger.stepped("a", 3, STEP_MS, 7000)  # a new process trains again
+    ledger.stepped("a", 8, STEP_MS, 7500)
+    settled = ledger.report()
+    ledger.stopped("a", steps + 5, 7600)  # the old process's word, too late
+    assert ledger.report() == settled
 
 
 def test_checkpoint_blocking_of_a_new_process_counts_from_zero() -> None:

@@ -47,6 +47,14 @@ steps' real pace, since a loaded machine makes some steps several times
 slower than the rest (a 2-minute chaos run showed it as 7 s of false slack,
 4% of its window, while the steps' own lines showed none).
 
+The steps a reference made after its last heartbeat and before its workers
+stopped would otherwise go to the failure that stopped them (the next
+process counts from zero). So an agent tells the master its stopped workers'
+final count at once, still about the round that closed (`stopped`): those
+steps take back the time charged since the last count, and never mean the
+job trains again; if the next round formed before that word came, those it
+trained beyond the step that round restored are rolled back.
+
 Corrections after the fact move time out of productive: steps a round rolled
 back (trained, then discarded by restoring an older checkpoint) become
 `rolled_back`; the time a node reports its training was blocked writing
@@ -163,6 +171,11 @@ class GoodputLedger:
     trained_step: int | None = None
     round_steps: int = 0
     round_restored: int = 0
+    # Set by a round that formed while the job was interrupted, until it
+    # steps: the step it restored (-1: none) and the step up to which what
+    # was trained before it is accounted (rolled back or not), for a count of
+    # the previous round's workers that arrives late (`stopped`).
+    restore: tuple[int, int] | None = None
 
     # ------------------------------------------------------------ events
 
@@ -233,7 +246,7 @@ class GoodputLedger:
             self.productive_ms += self._take_back(before_ms, earliest_first=True)
             if after_ms > self._typical_ms() / 2:
                 self.productive_ms += self._take_back(after_ms, earliest_first=False)
-                self.phase, self.resumes_as = None, None
+                self.phase, self.resumes_as, self.restore = None, None, None
                 # Training resumed before the counts' write, and what came
                 # after it is not known yet: idle, for the next count to take.
                 self._release(min(age_ms, span - after_ms))
@@ -286,10 +299,55 @@ class GoodputLedger:
         closed was `committed` (-1: none): what was trained beyond `step` is
         rolled back."""
         trained = max(committed, -1 if self.trained_step is None else self.trained_step)
+        accounted = step
         if step >= 0 and trained > step:
             counted = self.round_restored + self.round_steps
-            self.rolled_back(min(trained, counted) - step, now_ms)
+            accounted = max(step, min(trained, counted))
+            self.rolled_back(accounted - step, now_ms)
         self.trained_step, self.round_steps, self.round_restored = None, 0, max(step, 0)
+        if self.phase is not None:
+            self.restore = (step, accounted)
+
+    def stopped(
+        self, node_id: str, steps: int, now_ms: int, trained_step: int | None = None
+    ) -> None:
+        """The last count of a node's workers in a round that closed: its
+        agent's word as it stopped them (or a beat that still speaks of that
+        round). The steps its rank 0 made since the previous count were made
+        before the interruption, so they take back time charged since that
+        count, earliest first, and never mean that training resumed. If the
+        next round formed already, those trained beyond the step it restored
+        (`trained_step` tells; unknown: all of them) were rolled back. Too
+        late once training resumed: the time they could take back is settled."""
+        before = self.beats.get(node_id)
+        if (
+            self.opened_ms is None
+            or self.phase is None
+            or node_id != self.reference
+            or before is None
+            or steps <= before.steps
+        ):
+            return
+        self._advance(now_ms)
+        made = steps - before.steps
+        self.beats[node_id] = _Beat(steps, now_ms)
+        span = max(0, now_ms - max(before.at_ms, self.counted_ms))
+        taken = self._take_back(self._time_of(made, span), earliest_first=True)
+        self.productive_ms += taken
+        if self.restore is None:
+            # The round that will restore has not formed: the steps are the
+            # closed round's, for it to roll back.
+            self.round_steps += made
+            if trained_step is not None:
+                self.trained_step = max(trained_step, self.trained_step or 0)
+            return
+        step, accounted = self.restore
+        if step < 0:
+            return  # a fresh start rolls nothing back (as `restored`)
+        beyond = made if trained_step is None else min(made, trained_step - accounted)
+        if beyond > 0:
+            self._reclassify(Cause.ROLLED_BACK, self._time_of(beyond, taken))
+            self.restore = (step, accounted + beyond)
 
     def rolled_back(self, steps: int, now_ms: int) -> None:
         """A round restored a checkpoint `steps` steps older than the newest
@@ -338,6 +396,7 @@ class GoodputLedger:
             "trained_step": self.trained_step,
             "round_steps": self.round_steps,
             "round_restored": self.round_restored,
+            "restore": None if self.restore is None else list(self.restore),
         }
 
     @classmethod
@@ -379,6 +438,8 @@ class GoodputLedger:
         ledger.trained_step = data.get("trained_step")
         ledger.round_steps = int(data.get("round_steps", 0))
         ledger.round_restored = int(data.get("round_restored", 0))
+        restore = data.get("restore")
+        ledger.restore = None if restore is None else (int(restore[0]), int(restore[1]))
         return ledger
 
     # ------------------------------------------------------------ report

@@ -228,13 +228,27 @@ class Membership:
                 ledger.node_gone(event.node_id)
         self._short_of_nodes(now)
 
-    def heard_metrics(self, node_id: str, metrics: rendezvous_pb2.NodeMetrics, now_ms: int) -> None:
-        """A heartbeat's metrics from a member of the active round, for the
-        ledger: its steps, the step it trained to, and its checkpoint blocking."""
+    def heard_metrics(
+        self, node_id: str, round_: int, metrics: rendezvous_pb2.NodeMetrics, now_ms: int
+    ) -> None:
+        """A heartbeat's metrics about the node's workers in round `round_`,
+        for the ledger. From a member of the active round: its steps, the step
+        it trained to, and its checkpoint blocking (round 0: a session that
+        does not say, taken as the active round). About a round that closed
+        since (the agent's last word on the workers it stopped, or a beat sent
+        before it took its next round): the steps they made before they
+        stopped."""
         trained = metrics.trained_step if metrics.trained_step > 0 else None
-        age_ms = metrics.steps_age_s * 1000
-        self.goodput.stepped(node_id, metrics.steps, metrics.step_time_ms, now_ms, trained, age_ms)
-        self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
+        active = self.state.rendezvous.state.active
+        current = active is not None and round_ in (0, active.round)
+        if current and active is not None and active.member(node_id) is not None:
+            age_ms = metrics.steps_age_s * 1000
+            self.goodput.stepped(
+                node_id, metrics.steps, metrics.step_time_ms, now_ms, trained, age_ms
+            )
+            self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
+        elif round_ > 0 and (active is None or round_ < active.round):
+            self.goodput.stopped(node_id, metrics.steps, now_ms, trained)
 
     def _short_of_nodes(self, now_ms: int) -> None:
         """Tell the ledger whether the job waits for nodes: no round, and

@@ -200,9 +200,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         if message.HasField("metrics"):
             self.metrics[node_id] = (message.metrics, now)
             self.reports.update(node_id, message.metrics, now)
-            active = self.state.rendezvous.state.active
-            if active is not None and active.member(node_id) is not None:
-                self.membership.heard_metrics(node_id, message.metrics, now)
+            self.membership.heard_metrics(node_id, message.round, message.metrics, now)
         if message.restarts_in_place:
             self.state.restarts_in_place = True
         if message.next_bootstrap_port:

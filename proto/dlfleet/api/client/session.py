@@ -313,6 +313,28 @@ class AgentSession:
             except queue.Empty:
                 return
 
+    def beat_now(self, timeout_s: float = 1.0) -> bool:
+        """Send a heartbeat now, with `metrics` as they are, from another
+        thread (the agent's last word on workers it just stopped: the master
+        counts their final steps). False when the stream is down or the
+        write took longer than `timeout_s`; the next beat then tells."""
+        future = asyncio.run_coroutine_threadsafe(self._beat_once(), self._io.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return False
+
+    async def _beat_once(self) -> bool:
+        call = self._call
+        if call is None or self._silent:
+            return False
+        try:
+            await self._write(call, self._message())
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            return False  # the stream broke: reopened with the next beat
+        return True
+
     def leaving(self) -> None:
         """The agent is about to leave the rendezvous: the master will refuse
         this session from then on, which is no news."""

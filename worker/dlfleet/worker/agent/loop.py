@@ -105,6 +105,9 @@ from dlfleet.worker.progress import read_counts
 _log = logging.getLogger("dlworker")
 
 STOP_TIMEOUT_S = 10.0
+# How long the agent waits for its last word on stopped workers to go out
+# (a write on the open session stream: milliseconds, unless it is down).
+LAST_WORD_TIMEOUT_S = 1.0
 # How often a node waiting for a round says why.
 WAITING_SAY_S = 5.0
 # In-process restarts: how long a worker may take to leave an aborted round
@@ -564,6 +567,7 @@ class Agent:
         through `dlfleet.elastic.run`, else stop them (torchrun's contract)."""
         if not self.opted_in:
             self._stop_workers()
+            self._last_word()
             return
         abort = Abort(round_, reason)
         assert self.group is not None
@@ -730,6 +734,17 @@ class Agent:
             return
         self._sampled_at = self._clock()
         self.session.metrics = self.sampler.sample()
+
+    def _last_word(self) -> None:
+        """Tell the master the stopped workers' final counts at once: the
+        steps they made since the last heartbeat are training the job's
+        goodput would otherwise lose to the failure (their progress files
+        start over with the next processes)."""
+        if self.sampler is None or self.session is None:
+            return
+        self.session.metrics = self.sampler.sample()
+        if not self.session.beat_now(LAST_WORD_TIMEOUT_S):
+            _log.debug("the workers' final counts were not sent (the session is down)")
 
     def _hung_rank(self) -> WorkerFailure | None:
         """The watchdog: a rank that stepped once, then not for its bound
