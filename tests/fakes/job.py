@@ -150,16 +150,21 @@ class RecordingDisplay(Display):
 
 class FakeResourceLink:
     """Stands in for `ResourceLink` (a DLFleetJob's status and spec through
-    the API server): keeps what was published; `wanted_nodes` answers the
-    spec's node counts the test gives, one a call, the last one from then on."""
+    the API server): keeps what was published and the events recorded;
+    `wanted_nodes` answers the spec's node counts the test gives, one a call,
+    the last one from then on."""
 
     def __init__(self, *wanted: int | None) -> None:
         self.published: list[dict[str, Any]] = []
+        self.events: list[tuple[bool, str, str]] = []
         self.wanted = list(wanted) or [None]
         self.asked = 0
 
     def publish(self, status: Mapping[str, Any]) -> None:
         self.published.append(dict(status))
+
+    def event(self, warning: bool, reason: str, message: str) -> None:
+        self.events.append((warning, reason, message))
 
     def wanted_nodes(self) -> int | None:
         self.asked += 1

@@ -1,7 +1,8 @@
 """Fixtures for tests against a real Kubernetes control plane (kubetest):
 `kube_cluster` (one per session, about 10 s to start), `kube_api` (an admin
-ApiClient), `kubelet` (one test node per module) and `namespace` (a fresh one
-per test, deleted after it).
+ApiClient), `kubelet` (one test node per module), `namespace` (a fresh one
+per test, deleted after it) and `dlfleetjobs` (the DLFleetJob CRD installed,
+and a CustomObjectsApi to use it).
 
 The binaries come from scripts/kube_env.sh; without them the tests fail (they
 are not skipped), saying so, as they do without root (the kubelet makes each
@@ -17,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from kubetest import KubeBinaries, KubeCluster, KubeEnvMissing, TestKubelet, wait_until
 
 
@@ -82,3 +85,25 @@ def namespace(kube_api: Any) -> Iterator[str]:
     wait_until(token_ready, 30, f"the default service account of namespace {name}")
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def dlfleetjobs(kube_api: Any) -> Iterator[Any]:
+    """The CRD from deploy/crd/dlfleetjob.yaml, established; a
+    CustomObjectsApi to use it."""
+    extensions: Any = client.ApiextensionsV1Api(kube_api)
+    root = Path(__file__).resolve().parents[2]
+    manifest = yaml.safe_load((root / "deploy" / "crd" / "dlfleetjob.yaml").read_text())
+    name = manifest["metadata"]["name"]
+    try:
+        extensions.create_custom_resource_definition(manifest)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+    def established() -> bool:
+        conditions = extensions.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    wait_until(established, 30, f"the CRD {name} established")
+    yield client.CustomObjectsApi(kube_api)

@@ -35,26 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = OperatorSettings(master_image="registry.example.com/dlfleet-master:0.1")
 
 
-@pytest.fixture(scope="module")
-def custom(kube_api: Any) -> Iterator[Any]:
-    extensions: Any = client.ApiextensionsV1Api(kube_api)
-    manifest = yaml.safe_load((ROOT / "deploy" / "crd" / "dlfleetjob.yaml").read_text())
-    try:
-        extensions.create_custom_resource_definition(manifest)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    name = manifest["metadata"]["name"]
-    wait(
-        lambda: any(
-            c.type == "Established" and c.status == "True"
-            for c in extensions.read_custom_resource_definition(name).status.conditions or []
-        ),
-        "the CRD established",
-    )
-    yield client.CustomObjectsApi(kube_api)
-
-
 def wait(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (result := check()):
@@ -63,8 +43,8 @@ def wait(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
     return result
 
 
-def submit(custom: Any, namespace: str, name: str, **spec: Any) -> None:
-    custom.create_namespaced_custom_object(
+def submit(dlfleetjobs: Any, namespace: str, name: str, **spec: Any) -> None:
+    dlfleetjobs.create_namespaced_custom_object(
         crd.GROUP,
         crd.VERSION,
         namespace,
@@ -83,8 +63,8 @@ def submit(custom: Any, namespace: str, name: str, **spec: Any) -> None:
     )
 
 
-def status(custom: Any, namespace: str, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = custom.get_namespaced_custom_object(
+def status(dlfleetjobs: Any, namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = dlfleetjobs.get_namespaced_custom_object(
         crd.GROUP, crd.VERSION, namespace, crd.PLURAL, name
     )
     return found.get("status") or {}
@@ -107,14 +87,14 @@ def owned(kube_api: Any, namespace: str, name: str) -> dict[str, Any]:
 
 
 def test_a_job_gets_its_objects_once_and_a_restarted_controller_adopts_them(
-    kube_api: Any, custom: Any, namespace: str
+    kube_api: Any, dlfleetjobs: Any, namespace: str
 ) -> None:
-    submit(custom, namespace, "demo")
+    submit(dlfleetjobs, namespace, "demo")
     operator = Operator(kube_api, SETTINGS, namespace)
     operator.reconcile_all()
     made = owned(kube_api, namespace, "demo")
     assert sorted(made) == ["ConfigMap/demo-job", "Job/demo-master", "Secret/demo-token"]
-    uid = custom.get_namespaced_custom_object(
+    uid = dlfleetjobs.get_namespaced_custom_object(
         crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "demo"
     )["metadata"]["uid"]
     for item in made.values():
@@ -124,7 +104,7 @@ def test_a_job_gets_its_objects_once_and_a_restarted_controller_adopts_them(
         )  # fmt: skip
     token = made["Secret/demo-token"].data["token"]
     assert len(base64.b64decode(token)) == 64
-    seen = status(custom, namespace, "demo")
+    seen = status(dlfleetjobs, namespace, "demo")
     assert seen["phase"] == "Created" and seen["observedGeneration"] == 1
     created = {c["type"]: c["status"] for c in seen["conditions"]}
     assert created == {"Created": "True", "Suspended": "False", "Succeeded": "False",
@@ -140,22 +120,22 @@ def test_a_job_gets_its_objects_once_and_a_restarted_controller_adopts_them(
 
 
 def test_suspending_removes_everything_and_resuming_makes_it_again(
-    kube_api: Any, custom: Any, namespace: str
+    kube_api: Any, dlfleetjobs: Any, namespace: str
 ) -> None:
-    submit(custom, namespace, "held", suspend=True)
+    submit(dlfleetjobs, namespace, "held", suspend=True)
     operator = Operator(kube_api, SETTINGS, namespace)
     operator.reconcile_all()
     assert owned(kube_api, namespace, "held") == {}  # suspended from the start: nothing
-    assert status(custom, namespace, "held")["phase"] == "Suspended"
+    assert status(dlfleetjobs, namespace, "held")["phase"] == "Suspended"
 
-    custom.patch_namespaced_custom_object(
+    dlfleetjobs.patch_namespaced_custom_object(
         crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "held", {"spec": {"suspend": False}}
     )
     operator.reconcile_all()
     assert len(owned(kube_api, namespace, "held")) == 3
-    assert status(custom, namespace, "held")["phase"] == "Created"
+    assert status(dlfleetjobs, namespace, "held")["phase"] == "Created"
 
-    custom.patch_namespaced_custom_object(
+    dlfleetjobs.patch_namespaced_custom_object(
         crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "held", {"spec": {"suspend": True}}
     )
     operator.reconcile_all()
@@ -164,28 +144,30 @@ def test_suspending_removes_everything_and_resuming_makes_it_again(
         lambda: sorted(owned(kube_api, namespace, "held")) == ["Secret/held-token"],
         "the suspended job's master and job.yaml gone",
     )
-    seen = status(custom, namespace, "held")
+    seen = status(dlfleetjobs, namespace, "held")
     assert seen["phase"] == "Suspended" and seen["observedGeneration"] == 3
 
 
 def test_a_spec_job_yaml_refuses_fails_naming_the_field_and_makes_nothing(
-    kube_api: Any, custom: Any, namespace: str
+    kube_api: Any, dlfleetjobs: Any, namespace: str
 ) -> None:
-    submit(custom, namespace, "bad", step_timeout_min_s=3)  # no step_timeout_factor
+    submit(dlfleetjobs, namespace, "bad", step_timeout_min_s=3)  # no step_timeout_factor
     Operator(kube_api, SETTINGS, namespace).reconcile_all()
     assert owned(kube_api, namespace, "bad") == {}
-    seen = status(custom, namespace, "bad")
+    seen = status(dlfleetjobs, namespace, "bad")
     assert seen["phase"] == "Failed" and seen["reason"] == "InvalidSpec"
     assert "step_timeout_min_s" in seen["message"]
 
 
 def test_deleting_the_resource_deletes_what_it_owned(
-    kube_api: Any, custom: Any, namespace: str
+    kube_api: Any, dlfleetjobs: Any, namespace: str
 ) -> None:
-    submit(custom, namespace, "gone")
+    submit(dlfleetjobs, namespace, "gone")
     Operator(kube_api, SETTINGS, namespace).reconcile_all()
     assert len(owned(kube_api, namespace, "gone")) == 3
-    custom.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "gone")
+    dlfleetjobs.delete_namespaced_custom_object(
+        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "gone"
+    )
     wait(
         lambda: owned(kube_api, namespace, "gone") == {},
         "the garbage collector to delete the job's objects",
@@ -219,17 +201,17 @@ def operator_api(kube_api: Any, kube_cluster: Any) -> Iterator[Any]:
 
 
 def test_the_controller_does_its_work_with_its_clusterrole_and_nothing_else(
-    kube_api: Any, custom: Any, namespace: str, operator_api: Any
+    kube_api: Any, dlfleetjobs: Any, namespace: str, operator_api: Any
 ) -> None:
-    submit(custom, namespace, "rbac")
+    submit(dlfleetjobs, namespace, "rbac")
     Operator(operator_api, SETTINGS, None).reconcile_all()  # every namespace
     assert len(owned(kube_api, namespace, "rbac")) == 3
-    assert status(custom, namespace, "rbac")["phase"] == "Created"
-    custom.patch_namespaced_custom_object(
+    assert status(dlfleetjobs, namespace, "rbac")["phase"] == "Created"
+    dlfleetjobs.patch_namespaced_custom_object(
         crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "rbac", {"spec": {"suspend": True}}
     )
     Operator(operator_api, SETTINGS, None).reconcile_all()
-    assert status(custom, namespace, "rbac")["phase"] == "Suspended"
+    assert status(dlfleetjobs, namespace, "rbac")["phase"] == "Suspended"
 
     core: Any = client.CoreV1Api(operator_api)
     refused = [

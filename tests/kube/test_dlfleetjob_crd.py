@@ -7,14 +7,10 @@ the field named, and the status subresource and printer columns work as
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dlfleet.master.job.platform import crd
@@ -22,28 +18,6 @@ from dlfleet.master.job.platform import crd
 pytestmark = pytest.mark.kube
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def dlfleetjobs(kube_api: Any) -> Iterator[Any]:
-    """The CRD from deploy/crd/dlfleetjob.yaml, established; a
-    CustomObjectsApi to use it."""
-    extensions: Any = client.ApiextensionsV1Api(kube_api)
-    manifest = yaml.safe_load((ROOT / "deploy" / "crd" / "dlfleetjob.yaml").read_text())
-    name = manifest["metadata"]["name"]
-    try:
-        extensions.create_custom_resource_definition(manifest)
-    except ApiException as exc:
-        if exc.status != 409:  # already there: another module of the session made it
-            raise
-    deadline = time.monotonic() + 30
-    while True:
-        conditions = extensions.read_custom_resource_definition(name).status.conditions or []
-        if any(c.type == "Established" and c.status == "True" for c in conditions):
-            break
-        assert time.monotonic() < deadline, f"the CRD was not established: {conditions}"
-        time.sleep(0.1)
-    yield client.CustomObjectsApi(kube_api)
 
 
 def job(name: str, **spec: Any) -> dict[str, Any]:

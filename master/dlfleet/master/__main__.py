@@ -183,11 +183,24 @@ def _operator(argv: list[str]) -> int:
     parser.add_argument(
         "--service-account", default="dlfleet-master", help="the masters' (dlfleet-master)"
     )
+    parser.add_argument(
+        "--master-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable set in every master's container (repeat for more)",
+    )
     parser.add_argument("--period", type=float, default=2.0, help="seconds between passes (2)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if not args.period > 0:
         parser.error(f"--period must be > 0 seconds, got {args.period}")
+    master_env = {}
+    for item in args.master_env:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            parser.error(f"--master-env {item!r}: expected NAME=VALUE")
+        master_env[name] = value
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     import signal
     import threading
@@ -196,8 +209,15 @@ def _operator(argv: list[str]) -> int:
     from dlfleet.master.job.platform.operator import OperatorSettings
     from dlfleet.master.job.platform.operator_loop import Operator
 
-    settings = OperatorSettings(master_image=args.image, service_account=args.service_account)
-    operator = Operator(connect(args.kubeconfig), settings, args.namespace)
+    settings = OperatorSettings(
+        master_image=args.image, service_account=args.service_account, master_env=master_env
+    )
+    try:
+        api = connect(args.kubeconfig)
+    except DlfleetError as exc:
+        print(f"dlmaster operator: {exc}", file=sys.stderr)
+        return 2
+    operator = Operator(api, settings, args.namespace)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 import kubernetes_validate
 from hypothesis import given
 
-from dlfleet.master.job.jobconfig import parse_job_config
+from dlfleet.master.job.jobconfig import load_job_config, parse_job_config
 from dlfleet.master.job.platform import crd
 from dlfleet.master.job.platform.operator import (
     LABEL_JOB,
@@ -24,8 +24,10 @@ from dlfleet.master.job.platform.operator import (
     OperatorSettings,
     Resource,
     job_yaml,
+    master_job,
     plan,
 )
+from dlfleet.master.job.runner import job_token
 
 SETTINGS = OperatorSettings(master_image="registry.example.com/dlfleet-master:0.1")
 KINDS = (("ConfigMap", "demo-job"), ("Secret", "demo-token"), ("Job", "demo-master"))
@@ -82,15 +84,57 @@ def test_a_new_resource_gets_its_job_yaml_token_and_master_all_owned_by_it() -> 
     assert pod["containers"][0]["command"] == [
         "dlmaster",
         "--job-config",
-        "/etc/dlfleet/job/job.yaml",
+        "/dlfleet/job/job.yaml",
     ]
     # The master's job.yaml is job.yaml's rules' own, and names the mounted token.
     document = json.loads(config_map["data"]["job.yaml"])
-    assert document["token_file"] == "/etc/dlfleet/token/token"
+    assert document["token_file"] == "../token/token"
+    assert document["master"] == {"host": "0.0.0.0", "port": SETTINGS.master_port}
     document.pop("token_file")
-    config = parse_job_config(document, base_dir=Path("/var/lib/dlfleet"))
+    config = parse_job_config(document, base_dir=Path("/dlfleet/job"))
     assert (config.name, config.platform, config.nodes.min) == ("demo", "kubernetes", 2)
     assert config.kubernetes is not None and config.kubernetes.namespace == "team-a"
+    assert config.work_dir == Path("/dlfleet/job/../state/demo")
+
+
+def test_the_master_reads_its_token_beside_job_yaml_mounted_as_a_config_map_mounts_it(
+    tmp_path: Path,
+) -> None:
+    """Laid out as in the master Pod: job.yaml in a ConfigMap volume (a link
+    into a hidden timestamped folder, as the kubelet makes it), the token in
+    a Secret volume beside it. Paths relative to job.yaml mean the folder it
+    was mounted in, not the link's target."""
+    config_map, _, job = plan(resource(), {}, SETTINGS, new_token="tok").create
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["name"]: Path(str(tmp_path) + m["mountPath"]) for m in container["volumeMounts"]}
+    data = mounts["job"] / "..2026_11_28_00_00_00.000000001"
+    data.mkdir(parents=True)
+    (data / "job.yaml").write_text(config_map["data"]["job.yaml"])
+    (mounts["job"] / "..data").symlink_to(data.name)
+    (mounts["job"] / "job.yaml").symlink_to("..data/job.yaml")
+    mounts["token"].mkdir(parents=True)
+    (mounts["token"] / "token").write_text("tok\n")
+    config = load_job_config(Path(str(tmp_path) + container["command"][-1]))
+    assert job_token(config) == "tok"
+    assert config.work_dir.resolve() == mounts["state"] / "demo"
+
+
+def test_the_master_job_carries_the_settings_extras() -> None:
+    settings = OperatorSettings(
+        master_image="m:1",
+        master_command=("python", "-m", "dlfleet.master"),
+        master_env={"HTTPS_PROXY": "http://proxy:3128"},
+        master_volumes=({"name": "ca", "configMap": {"name": "ca-bundle"}},),
+        master_volume_mounts=({"name": "ca", "mountPath": "/etc/ssl/extra"},),
+    )
+    job = master_job(resource(), settings)
+    kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"][:3] == ["python", "-m", "dlfleet.master"]
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in container["env"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/extra"} in container["volumeMounts"]
+    assert {"name": "ca", "configMap": {"name": "ca-bundle"}} in pod["volumes"]
 
 
 @given(st.sets(st.sampled_from(KINDS)))

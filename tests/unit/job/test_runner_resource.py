@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fakes.job import FakeMasterClient, FakePlatform, FakeResourceLink, run_job
 
-from dlfleet.api.v1 import job_pb2
+from dlfleet.api.v1 import job_pb2, rendezvous_pb2
 from dlfleet.master.job import runner as runner_module
 from dlfleet.master.job.jobconfig import JobConfig, parse_job_config
 from dlfleet.master.job.platform.resource_link import fields, wanted
@@ -97,3 +97,46 @@ def test_the_nodes_a_spec_asks_for() -> None:
     assert wanted({"nodes": {"min": 2, "max": 4, "initial": 3}}) == 3
     assert wanted({"nodes": {"min": 2}}) == 2
     assert wanted({}) is None
+
+
+def test_a_lost_node_a_worker_failure_and_the_end_are_events_on_the_resource(
+    tmp_path: Path,
+) -> None:
+    platform = FakePlatform(tmp_path / "logs")
+    platform.end("node-1", 3, at_poll=2)
+    platform.end("node-0", 0, at_poll=4)
+    platform.end("node-1", 0, at_poll=5)
+    failed = formed()
+    report = rendezvous_pb2.FailureReport(
+        node_id="node-0#1", round=1, local_rank=0, exit_code=-9, signal="SIGKILL",
+        message="killed\nmore lines", restart_count=0, restarting=True,
+        category="transient", rule="signal-kill",
+    )  # fmt: skip
+    failed.failures.append(report)
+    link = FakeResourceLink(2)
+    run_job(
+        job_config(tmp_path, max_node_relaunches=2),
+        platform,
+        FakeMasterClient(formed(), failed),
+        link=link,
+    )
+    assert link.events == [
+        (
+            True,
+            "WorkerFailed",
+            "node-0 local rank 0 failed (signal SIGKILL) in round 1: restarting "
+            "(transient, rule signal-kill): killed",
+        ),
+        (True, "NodeLost", "node-1 was lost (exit code 3): relaunching it in 2.0s "
+         "(1 relaunches left)"),
+        (False, "Succeeded", "job linked succeeded: every node's workers finished"),
+    ]  # fmt: skip
+
+
+def test_a_job_run_from_job_yaml_records_no_events(tmp_path: Path) -> None:
+    platform = FakePlatform(tmp_path / "logs")
+    platform.end("node-1", 3, at_poll=2)
+    platform.end("node-0", 0, at_poll=4)
+    platform.end("node-1", 0, at_poll=5)
+    runner = run_job(job_config(tmp_path, max_node_relaunches=2), platform)
+    assert runner.link is None and runner._events == []

@@ -108,6 +108,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -552,7 +553,11 @@ def load_job_config(path: Path) -> JobConfig:
         raise InvalidArgument(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path}: expected a mapping of settings at the top level")
-    return parse_job_config(data, base_dir=path.resolve().parent, source=str(path))
+    # The folder the path names, its links not followed: a ConfigMap volume
+    # makes job.yaml a link into a hidden folder (..data), and the paths
+    # job.yaml names relative to itself mean the folder it was mounted in.
+    base_dir = Path(os.path.abspath(path)).parent
+    return parse_job_config(data, base_dir=base_dir, source=str(path))
 
 
 def parse_job_config(

@@ -186,6 +186,10 @@ class JobRunner:
         self.link: ResourceLink | None = None
         self._linked_at = float("-inf")
         self._spec_nodes: int | None = None
+        # Events for that resource, not sent yet: (warning, reason, message);
+        # and the worker failures already told.
+        self._events: list[tuple[bool, str, str]] = []
+        self._failures_seen: set[tuple[str, int, int, int]] = set()
 
     # ------------------------------------------------------------------ run
 
@@ -253,6 +257,7 @@ class JobRunner:
             self._step()
             self._consult_brain()
             await self._mirror()
+            await self._record_events()
             self.display.update(self.status())
             if self.state.ended:
                 break
@@ -270,6 +275,12 @@ class JobRunner:
             await asyncio.to_thread(self.platform.shutdown, STOP_GRACE_S)
         await self._refresh()
         self.display.update(self.status())
+        if result.code == 0:
+            self._say("Succeeded", f"job {self.config.name} succeeded: {result.reason}", False)
+        elif result.code != 130:
+            self._say("Failed", f"job {self.config.name} failed: {result.reason}")
+        await self._mirror(final=True)
+        await self._record_events()
         if result.code != 130:
             ended = {"code": result.code, "reason": result.reason}
             (self.config.work_dir / RESULT_FILE).write_text(json.dumps(ended))
@@ -308,17 +319,21 @@ class JobRunner:
             self.master_up = False
         self._note_checks()
         self._note_suspects()
+        self._note_failures()
 
-    async def _mirror(self) -> None:
+    async def _mirror(self, final: bool = False) -> None:
         """Every LINK_S, write the job's figures into its DLFleetJob's status
-        and scale to what its spec.nodes asks for, if that changed."""
+        and scale to what its spec.nodes asks for, if that changed; `final`:
+        the figures as the job ended, at once."""
         link, now = self.link, time.monotonic()
-        if link is None or now - self._linked_at < LINK_S:
+        if link is None or (now - self._linked_at < LINK_S and not final):
             return
         self._linked_at = now
         config = self.config
         status = fields(self.status(), config.nodes.min, config.nodes.maximum)
         await asyncio.to_thread(link.publish, status)
+        if final:
+            return
         wanted = await asyncio.to_thread(link.wanted_nodes)
         if wanted is None or wanted == self._spec_nodes:
             return
@@ -327,8 +342,8 @@ class JobRunner:
             return
         try:
             previous = self.scale(wanted)
-            _log.info("%s %s: spec.nodes asks for %d nodes (was %d)", KIND, config.name,
-                      wanted, previous)  # fmt: skip
+            self._say("Scaled", f"{KIND} {config.name}: spec.nodes asks for {wanted} nodes "
+                      f"(was {previous})", warning=False)  # fmt: skip
         except InvalidArgument as exc:
             _log.warning("%s %s: spec.nodes asks for %d nodes: %s", KIND, config.name,
                          wanted, exc)  # fmt: skip
@@ -366,10 +381,11 @@ class JobRunner:
                     )  # fmt: skip
                 case RetireSuspect(why=why, relaunches_left=left):
                     fresh = self._retire_suspect(running[0], why, left)
-                    _log.warning(
-                        "%s: %s: retiring it, replaced by %s (%d relaunches left)",
-                        name, suspect.reason, fresh.name, left,
-                    )  # fmt: skip
+                    self._say(
+                        "NodeReplaced",
+                        f"{name}: {suspect.reason}: retiring it, replaced by {fresh.name} "
+                        f"({left} relaunches left)",
+                    )
 
     def _retire_suspect(self, node: Node, why: str, relaunches_left: int) -> Node:
         """Stop it (marked faulty when it exits); the fresh node in its place."""
@@ -486,7 +502,7 @@ class JobRunner:
                 return
             self.platform.stop_node(slow[0])
             fresh = self.platform.add_node()
-            _log.warning("brain: replacing straggler %s by %s", plan.node, fresh.name)
+            self._say("NodeReplaced", f"brain: replacing straggler {plan.node} by {fresh.name}")
             self.brain.applied(plan, True)
         else:
             self.brain.applied(plan, False, "kept for the next relaunch")
@@ -517,7 +533,7 @@ class JobRunner:
 
     def _carry_out(self, node: Node, action: ExitAction, check_failure: str) -> None:
         """The policy's answer to `node`'s exit, done: the words are the
-        ones users and tests read."""
+        ones users and tests read (and, for a DLFleetJob, its events')."""
         assert self.platform is not None
         match action:
             case Finished():
@@ -527,7 +543,7 @@ class JobRunner:
             case Retired(how=how, why=why):
                 self.state = self.state.retired(node.name)
                 node.detail = why
-                _log.warning("%s retired (%s): %s", node.name, how, why)
+                self._say("NodeRetired", f"{node.name} retired ({how}): {why}")
             case TrainingFailed(how=how):
                 self._finish(1, self._root_cause(node, how))
             case DlworkerFailed(how=how):
@@ -536,38 +552,78 @@ class JobRunner:
             case Relaunch(lost=lost, delay_s=delay, grow_memory=grow, relaunches_left=left):
                 self.state = self.state.spent(left)
                 self.tally.node_relaunches += 1
-                _log.warning(
-                    "%s was lost (%s): relaunching it in %.1fs (%d relaunches left)",
-                    node.name, lost.how, delay, left,
-                )  # fmt: skip
+                self._say(
+                    "NodeLost",
+                    f"{node.name} was lost ({lost.how}): relaunching it in {delay:.1f}s "
+                    f"({left} relaunches left)",
+                )
                 memory = self._memory_after(node) if grow else None
                 self.platform.relaunch(node, delay, memory_bytes=memory)
             case ReplaceFresh(loss=Lost() as lost, delay_s=delay, relaunches_left=left):
                 self.state = self.state.spent(left)
                 self.tally.node_relaunches += 1
                 fresh = self.platform.add_node(delay_s=delay)
-                _log.warning(
-                    "%s was lost %d times (last: %s): marked faulty, replaced by %s "
-                    "(%d relaunches left)",
-                    node.name, lost.times, lost.how, fresh.name, left,
-                )  # fmt: skip
+                self._say(
+                    "NodeReplaced",
+                    f"{node.name} was lost {lost.times} times (last: {lost.how}): marked "
+                    f"faulty, replaced by {fresh.name} ({left} relaunches left)",
+                )
             case ReplaceFresh(loss=Faulty(fault=fault), relaunches_left=left):
                 why = self._fault_words(node, fault, check_failure)
                 self.state = self.state.spent(left)
                 fresh = self.platform.add_node()
-                _log.warning(
-                    "%s: %s: marked faulty, replaced at once by %s (%d relaunches left)",
-                    node.name, why, fresh.name, left,
-                )  # fmt: skip
+                self._say(
+                    "NodeReplaced",
+                    f"{node.name}: {why}: marked faulty, replaced at once by {fresh.name} "
+                    f"({left} relaunches left)",
+                )
             case GoOnWithout(loss=Lost(how=how), active=active):
-                _log.warning("%s was lost (%s); going on with %d nodes", node.name, how, active)
+                self._say("NodeLost", f"{node.name} was lost ({how}); going on with {active} nodes")
             case GoOnWithout(loss=Faulty(fault=fault), active=active):
                 why = self._fault_words(node, fault, check_failure)
-                _log.warning(
-                    "%s: %s: marked faulty; going on with %d nodes", node.name, why, active
+                self._say(
+                    "NodeFaulty", f"{node.name}: {why}: marked faulty; going on with {active} nodes"
                 )
             case FailJob(loss=loss, active=active):
                 self._finish(1, self._too_few(node, loss, active, check_failure))
+
+    def _say(self, reason: str, message: str, warning: bool = True) -> None:
+        """Log `message`, and record it as an event on the job's DLFleetJob."""
+        (_log.warning if warning else _log.info)("%s", message)
+        if self.link is not None:
+            self._events.append((warning, reason, message))
+
+    async def _record_events(self) -> None:
+        """Send the events `_say` queued (off the loop: they are API calls)."""
+        link, events = self.link, self._events
+        if link is None or not events:
+            return
+        self._events = []
+        for warning, reason, message in events:
+            await asyncio.to_thread(link.event, warning, reason, message)
+
+    def _note_failures(self) -> None:
+        """A worker failure the master heard of, as an event on the DLFleetJob."""
+        if self.link is None:
+            return
+        for report in self.view.failures:
+            key = (report.node_id, report.round, report.local_rank, report.restart_count)
+            if key in self._failures_seen:
+                continue
+            self._failures_seen.add(key)
+            how = f"signal {report.signal}" if report.signal else f"exit code {report.exit_code}"
+            then = "restarting" if report.restarting else "not restarted"
+            rule = f", rule {report.rule}" if report.rule else ""
+            first = report.message.strip().splitlines()[0] if report.message.strip() else ""
+            self._events.append(
+                (
+                    True,
+                    "WorkerFailed",
+                    f"{report.node_id.rpartition('#')[0]} local rank {report.local_rank} "
+                    f"failed ({how}) in round {report.round}: {then} "
+                    f"({report.category or 'unknown'}{rule}){': ' + first if first else ''}",
+                )
+            )
 
     def _too_few(self, node: Node, loss: Loss, active: int, check_failure: str) -> str:
         """Why the job fails when a node is out with no relaunch to replace it."""

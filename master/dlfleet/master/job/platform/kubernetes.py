@@ -104,8 +104,7 @@ k8s_config: Any = k8s_config_module
 
 
 def api_client(config: KubernetesConfig, base_dir: Path) -> Any:
-    """A client from the job's kubeconfig, else in-cluster, else the default
-    kubeconfig ($KUBECONFIG, ~/.kube/config)."""
+    """A client from the job's kubeconfig, else as `connect` finds one."""
     if config.kubeconfig is not None:
         path = (
             config.kubeconfig if config.kubeconfig.is_absolute() else base_dir / config.kubeconfig
@@ -115,15 +114,28 @@ def api_client(config: KubernetesConfig, base_dir: Path) -> Any:
 
 
 def connect(kubeconfig: str | None) -> Any:
-    """A client from `kubeconfig`, else in-cluster, else the default
-    kubeconfig ($KUBECONFIG, ~/.kube/config)."""
-    if kubeconfig is not None:
-        return k8s_config.new_client_from_config(config_file=kubeconfig)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        configuration = k8s.Configuration()
-        k8s_config.load_incluster_config(client_configuration=configuration)
-        return k8s.ApiClient(configuration)
-    return k8s_config.new_client_from_config()
+    """A client from `kubeconfig`, else from $KUBECONFIG when it is set, else
+    in-cluster (in a Pod), else from ~/.kube/config. `DlfleetError` says
+    which of them failed and why."""
+    try:
+        kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
+        if kubeconfig is not None:
+            return k8s_config.new_client_from_config(config_file=kubeconfig)
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            configuration = k8s.Configuration()
+            try:
+                k8s_config.load_incluster_config(client_configuration=configuration)
+            except k8s_config.ConfigException as exc:
+                raise DlfleetError(
+                    f"cannot reach the Kubernetes API with the Pod's own credentials: {exc} "
+                    "(does its service account mount its token? else name a kubeconfig: "
+                    "kubernetes.kubeconfig in job.yaml, or $KUBECONFIG)"
+                ) from None
+            return k8s.ApiClient(configuration)
+        return k8s_config.new_client_from_config()
+    except (k8s_config.ConfigException, OSError) as exc:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise DlfleetError(f"cannot reach the Kubernetes API: kubeconfig {where}: {exc}") from None
 
 
 def _now_iso() -> str:

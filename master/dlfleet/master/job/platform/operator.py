@@ -51,10 +51,13 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 POD_GROUP_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
 
-# Where the master Pod mounts what the controller made.
-JOB_YAML_DIR = "/etc/dlfleet/job"
-TOKEN_DIR = "/etc/dlfleet/token"
-STATE_DIR = "/var/lib/dlfleet"
+# Where the master Pod mounts what the controller made: side by side, so that
+# job.yaml names the token and the work folder by paths relative to itself
+# (as job.yaml's paths are), which hold wherever the three are mounted.
+MOUNT_ROOT = "/dlfleet"
+JOB_YAML_DIR = f"{MOUNT_ROOT}/job"
+TOKEN_DIR = f"{MOUNT_ROOT}/token"
+STATE_DIR = f"{MOUNT_ROOT}/state"
 
 # The gang schedulers: their PodGroup, the Pods' label or annotation naming
 # it, and the scheduler's usual name.
@@ -124,16 +127,26 @@ class Resource:
 
 @dataclass(frozen=True)
 class OperatorSettings:
-    """What the controller puts in every master Job."""
+    """What the controller puts in every master Job. `master_command` runs
+    the master (its `--job-config` path follows); `master_env`,
+    `master_volumes` and `master_volume_mounts` are added to the master's
+    container (a proxy, a CA bundle, a kubeconfig where the Pod has no
+    service account token)."""
 
     master_image: str
     service_account: str = "dlfleet-master"
     master_port: int = 50051
     http_port: int = 8080
+    master_command: tuple[str, ...] = ("dlmaster",)
+    master_env: Mapping[str, str] = field(default_factory=dict)
+    master_volumes: tuple[Mapping[str, Any], ...] = ()
+    master_volume_mounts: tuple[Mapping[str, Any], ...] = ()
 
 
-def job_yaml(resource: Resource) -> dict[str, Any]:
-    """The job.yaml the master of `resource` runs (not yet checked)."""
+def job_yaml(resource: Resource, master_port: int = 50051) -> dict[str, Any]:
+    """The job.yaml the master of `resource` runs (not yet checked): it
+    listens on `master_port` beyond its Pod's loopback, where the workers
+    reach it through the Service the master makes."""
     spec = {k: v for k, v in resource.spec.items() if k not in crd.SPEC_EXTRAS}
     kube = dict(spec.get("kubernetes") or {})
     labels = dict(kube.get("labels") or {})
@@ -165,9 +178,11 @@ def job_yaml(resource: Resource) -> dict[str, Any]:
         **spec,
         "name": resource.name,
         "platform": "kubernetes",
+        "master": {"host": "0.0.0.0", "port": master_port},
         "kubernetes": kube,
-        "token_file": f"{TOKEN_DIR}/token",
-        "workdir": f"{STATE_DIR}/{resource.name}",
+        # Relative to job.yaml's folder, JOB_YAML_DIR.
+        "token_file": f"../{Path(TOKEN_DIR).name}/token",
+        "workdir": f"../{Path(STATE_DIR).name}/{resource.name}",
         "display": "plain",
     }
 
@@ -178,7 +193,7 @@ def check(resource: Resource) -> JobConfig | str:
     document = job_yaml(resource)
     document.pop("token_file")  # the Secret is mounted in the master Pod, not here
     try:
-        return parse_job_config(document, base_dir=Path(STATE_DIR))
+        return parse_job_config(document, base_dir=Path(JOB_YAML_DIR))
     except DlfleetError as exc:
         return str(exc)
 
@@ -208,7 +223,7 @@ def plan(
     if isinstance(checked, str):
         return Plan(refused=checked)
     wanted = [
-        config_map(resource),
+        config_map(resource, settings.master_port),
         token_secret(resource, new_token),
         master_job(resource, settings),
     ]
@@ -231,13 +246,13 @@ def _metadata(resource: Resource, kind: str, role: str) -> dict[str, Any]:
     }
 
 
-def config_map(resource: Resource) -> dict[str, Any]:
+def config_map(resource: Resource, master_port: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(resource, "ConfigMap", "config"),
         # JSON is YAML: the master reads it as job.yaml.
-        "data": {"job.yaml": json.dumps(job_yaml(resource), indent=1, sort_keys=True)},
+        "data": {"job.yaml": json.dumps(job_yaml(resource, master_port), indent=1, sort_keys=True)},
     }
 
 
@@ -269,8 +284,13 @@ def master_job(resource: Resource, settings: OperatorSettings) -> dict[str, Any]
                         {
                             "name": "master",
                             "image": settings.master_image,
-                            "command": ["dlmaster", "--job-config", f"{JOB_YAML_DIR}/job.yaml"],
+                            "command": [
+                                *settings.master_command,
+                                "--job-config",
+                                f"{JOB_YAML_DIR}/job.yaml",
+                            ],
                             "env": [
+                                *({"name": k, "value": v} for k, v in settings.master_env.items()),
                                 {"name": RESOURCE_ENV, "value": resource.name},
                                 {
                                     "name": "POD_NAME",
@@ -289,6 +309,7 @@ def master_job(resource: Resource, settings: OperatorSettings) -> dict[str, Any]
                                 {"name": "job", "mountPath": JOB_YAML_DIR, "readOnly": True},
                                 {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
                                 {"name": "state", "mountPath": STATE_DIR},
+                                *settings.master_volume_mounts,
                             ],
                         }
                     ],
@@ -296,6 +317,7 @@ def master_job(resource: Resource, settings: OperatorSettings) -> dict[str, Any]
                         {"name": "job", "configMap": {"name": resource.object_name("ConfigMap")}},
                         {"name": "token", "secret": {"secretName": resource.object_name("Secret")}},
                         {"name": "state", "emptyDir": {}},
+                        *settings.master_volumes,
                     ],
                 },
             },

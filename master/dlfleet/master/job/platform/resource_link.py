@@ -8,7 +8,10 @@ its status; the fields the master owns are patched (phase Running or
 Restarting, nodes ready/min/max, readyNodes, round, recordsDone, goodput),
 only when they changed. `wanted_nodes` reads the spec back: the number of
 nodes it asks for now (`nodes.initial`, else `nodes.min`), which the runner
-scales to when it differs from the last one it saw.
+scales to when it differs from the last one it saw. `event` records a
+Kubernetes Event on the resource (a node lost, relaunched, replaced or
+marked faulty; a worker failure; the job's end), so that `kubectl describe
+dlfleetjob NAME` tells the job's story.
 
 `fields` is pure (a JobStatus in, the status fields out); the link itself
 is a thin adapter around the CustomObjectsApi (the kubernetes package is
@@ -19,7 +22,9 @@ process (`dlmaster --job-config`), on the kubernetes platform only.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +32,11 @@ from dlfleet.api.v1 import job_pb2
 from dlfleet.master.job.platform import NodeState, crd
 
 _log = logging.getLogger(__name__)
+
+# What the Events say made them.
+COMPONENT = "dlfleet-master"
+# Kubernetes caps an Event's message at 1 KiB.
+EVENT_MESSAGE_MAX = 1024
 
 
 def fields(status: job_pb2.JobStatus, min_nodes: int, max_nodes: int) -> dict[str, Any]:
@@ -62,6 +72,8 @@ class ResourceLink:
 
         self._errors = (ApiException, OSError)
         self.custom: Any = k8s.CustomObjectsApi(api)
+        self.core: Any = k8s.CoreV1Api(api)
+        self.uid: str | None = None  # the resource's, once read
         self.namespace = namespace
         self.name = name
         self._published: dict[str, Any] = {}
@@ -89,4 +101,36 @@ class ResourceLink:
         except self._errors as exc:
             _log.warning("cannot read %s %s: %s", crd.KIND, self.name, exc)
             return None
+        self.uid = (found.get("metadata") or {}).get("uid") or self.uid
         return wanted(found.get("spec") or {})
+
+    def event(self, warning: bool, reason: str, message: str) -> None:
+        """Record an Event on the resource (best effort: a failure is logged)."""
+        if self.uid is None:
+            self.wanted_nodes()  # reads the uid
+        if self.uid is None:
+            return
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{self.name}.{secrets.token_hex(8)}"},
+            "involvedObject": {
+                "apiVersion": f"{crd.GROUP}/{crd.VERSION}",
+                "kind": crd.KIND,
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid,
+            },
+            "type": "Warning" if warning else "Normal",
+            "reason": reason,
+            "message": message[:EVENT_MESSAGE_MAX],
+            "source": {"component": COMPONENT},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(self.namespace, body)
+        except self._errors as exc:
+            _log.warning("cannot record an event on %s %s: %s", crd.KIND, self.name, exc)
