@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from e2e.ledger import assert_exactly_once, read_ledger
-from kube_jobs import AGENT, BATCH, EPOCHS, LEDGER_SCRIPT, SIZE, shared_volume, wait
+from kube.kube_jobs import AGENT, BATCH, EPOCHS, LEDGER_SCRIPT, SIZE, shared_volume, wait
 from kubernetes import client as k8s
 from kubetest import KubeCluster, TestKubelet
 
