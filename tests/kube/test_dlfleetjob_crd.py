@@ -90,6 +90,19 @@ def test_a_malformed_dlfleetjob_is_refused_with_the_field_named(
     assert field in message, message
 
 
+def test_the_shipped_example_is_taken_with_kubectl_apply(
+    dlfleetjobs: Any, namespace: str, kube_cluster: Any
+) -> None:
+    example = ROOT / "examples" / "kubernetes" / "dlfleetjob.yaml"
+    applied = kube_cluster.kubectl("apply", "-n", namespace, "-f", str(example))
+    assert applied.returncode == 0, applied.stderr
+    assert applied.stdout.strip() == "dlfleetjob.dlfleet.io/quickstart created"
+    stored = dlfleetjobs.get_namespaced_custom_object(
+        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "quickstart"
+    )
+    assert stored["spec"]["kubernetes"]["oom"]["memory_cap"] == "32Gi"
+
+
 def test_a_dlfleetjob_without_its_command_is_refused(dlfleetjobs: Any, namespace: str) -> None:
     body = job("nocommand")
     del body["spec"]["command"]

@@ -13,6 +13,7 @@ in-cluster credentials would pass one)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Iterator
@@ -102,6 +103,24 @@ class Watched:
         self.namespace = namespace
         self.kubelet = kubelet
         self.ledger = root / "ledger"
+        self.phases: list[str] = []  # each phase the status showed, in order
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._follow, daemon=True)
+
+    def _follow(self) -> None:
+        while not self._stop.wait(0.1):
+            with contextlib.suppress(k8s.exceptions.ApiException):
+                phase = self.status().get("phase")
+                if phase and (not self.phases or self.phases[-1] != phase):
+                    self.phases.append(phase)
+
+    def __enter__(self) -> Watched:
+        self._watch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._watch.join(5)
 
     def status(self) -> dict[str, Any]:
         found = self.custom.get_namespaced_custom_object(
@@ -170,10 +189,19 @@ def test_a_dlfleetjob_trains_shows_its_status_scales_and_goes_with_its_resource(
 ) -> None:
     root = tmp_path / "job"
     (root / "ledger").mkdir(parents=True)
-    job = Watched(kube_api, dlfleetjobs, namespace, kubelet, root)
-    dlfleetjobs.create_namespaced_custom_object(
-        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, resource(root)
-    )
+    with Watched(kube_api, dlfleetjobs, namespace, kubelet, root) as job:
+        dlfleetjobs.create_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, namespace, crd.PLURAL, resource(root)
+        )
+        run_the_job(job, kube_cluster, dlfleetjobs, kubelet)
+    # As the controller and the master wrote them: made, training, a round
+    # re-forming after the lost node (and the scale), training, done.
+    assert job.phases[:2] == ["Created", "Running"], job.phases
+    assert "Restarting" in job.phases and job.phases[-1] == "Succeeded", job.phases
+
+
+def run_the_job(job: Watched, kube_cluster: KubeCluster, dlfleetjobs: Any, kubelet: Any) -> None:
+    namespace = job.namespace
     job.until(lambda: len(job.workers()) == 2, "2 worker pods", 90)
     job.until(lambda: job.steps() >= 2 * 4, "4 steps of 2 ranks")
     training = job.until(

@@ -12,9 +12,10 @@ from typing import Any
 
 import hypothesis.strategies as st
 import kubernetes_validate
+import yaml
 from hypothesis import given
 
-from dlfleet.master.job.jobconfig import load_job_config, parse_job_config
+from dlfleet.master.job.jobconfig import JobConfig, load_job_config, parse_job_config
 from dlfleet.master.job.platform import crd
 from dlfleet.master.job.platform.operator import (
     LABEL_JOB,
@@ -23,12 +24,14 @@ from dlfleet.master.job.platform.operator import (
     QUEUE_LABEL,
     OperatorSettings,
     Resource,
+    check,
     job_yaml,
     master_job,
     plan,
 )
 from dlfleet.master.job.runner import job_token
 
+ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = OperatorSettings(master_image="registry.example.com/dlfleet-master:0.1")
 KINDS = (("ConfigMap", "demo-job"), ("Secret", "demo-token"), ("Job", "demo-master"))
 
@@ -186,3 +189,15 @@ def test_a_gang_gets_a_pod_group_of_nodes_min_and_the_pods_name_it() -> None:
     assert kube["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
     group = next(o for o in plan(plugins, {}, SETTINGS, "t").create if o["kind"] == "PodGroup")
     assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+
+
+def test_the_shipped_example_is_a_job_the_controller_runs() -> None:
+    example = yaml.safe_load((ROOT / "examples" / "kubernetes" / "dlfleetjob.yaml").read_text())
+    example["metadata"].update(namespace="team-a", uid="uid-9")
+    made = Resource.from_object(example)
+    config = check(made)
+    assert isinstance(config, JobConfig), config
+    assert (config.name, config.nodes.min, config.nodes.maximum) == ("quickstart", 2, 4)
+    assert config.http is not None and config.http.port == SETTINGS.http_port
+    made_kinds = [kind for kind, _ in keys(plan(made, {}, SETTINGS, new_token="t").create)]
+    assert made_kinds == ["ConfigMap", "Secret", "Job"]

@@ -86,6 +86,9 @@ def test_fields_before_a_round_and_with_goodput() -> None:
     assert "phase" not in fields(status, 1, 2)  # the controller's Created stands
     status = job_pb2.JobStatus(master_up=False, round=3, world_size=0)
     assert fields(status, 1, 2)["phase"] == "Restarting"
+    status = job_pb2.JobStatus(master_up=True, round=0, world_size=0)  # round 3 closed
+    assert fields(status, 1, 2, last_round=3)["phase"] == "Restarting"
+    assert fields(status, 1, 2, last_round=3)["round"] == 3
     status = job_pb2.JobStatus(master_up=True, round=3, world_size=2)
     status.goodput.window_seconds = 10.0
     status.goodput.ratio = 0.98123
@@ -140,3 +143,18 @@ def test_a_job_run_from_job_yaml_records_no_events(tmp_path: Path) -> None:
     platform.end("node-1", 0, at_poll=5)
     runner = run_job(job_config(tmp_path, max_node_relaunches=2), platform)
     assert runner.link is None and runner._events == []
+
+
+def test_a_change_of_phase_is_written_at_once_between_the_periodic_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "LINK_S", 3600.0)  # one periodic write: the first
+    platform = FakePlatform(tmp_path / "logs")
+    for name in ("node-0", "node-1"):
+        platform.end(name, 0, at_poll=8)
+    closed = job_pb2.MasterStatus()  # no round: the next one forming
+    views = [formed(1), formed(1), closed, closed, formed(2)]
+    link = FakeResourceLink(2)
+    run_job(job_config(tmp_path), platform, FakeMasterClient(*views), link=link)
+    phases = [p.get("phase") for p in link.published]
+    assert phases[:3] == ["Running", "Restarting", "Running"], link.published

@@ -185,6 +185,8 @@ class JobRunner:
         # status was last written, and the nodes its spec last asked for.
         self.link: ResourceLink | None = None
         self._linked_at = float("-inf")
+        self._linked_phase: str | None = None
+        self._last_round = 0
         self._spec_nodes: int | None = None
         # Events for that resource, not sent yet: (warning, reason, message);
         # and the worker failures already told.
@@ -322,18 +324,25 @@ class JobRunner:
         self._note_failures()
 
     async def _mirror(self, final: bool = False) -> None:
-        """Every LINK_S, write the job's figures into its DLFleetJob's status
-        and scale to what its spec.nodes asks for, if that changed; `final`:
-        the figures as the job ended, at once."""
+        """Every LINK_S, and at once when the phase changes (Running,
+        Restarting), write the job's figures into its DLFleetJob's status;
+        every LINK_S, scale to what its spec.nodes asks for, if that changed.
+        `final`: the figures as the job ended, at once."""
         link, now = self.link, time.monotonic()
-        if link is None or (now - self._linked_at < LINK_S and not final):
+        if link is None:
+            return
+        config = self.config
+        job = self.status()
+        self._last_round = max(self._last_round, job.round)
+        status = fields(job, config.nodes.min, config.nodes.maximum, self._last_round)
+        due = now - self._linked_at >= LINK_S
+        if not (due or final or status.get("phase") != self._linked_phase):
+            return
+        self._linked_phase = status.get("phase")
+        await asyncio.to_thread(link.publish, status)
+        if final or not due:
             return
         self._linked_at = now
-        config = self.config
-        status = fields(self.status(), config.nodes.min, config.nodes.maximum)
-        await asyncio.to_thread(link.publish, status)
-        if final:
-            return
         wanted = await asyncio.to_thread(link.wanted_nodes)
         if wanted is None or wanted == self._spec_nodes:
             return

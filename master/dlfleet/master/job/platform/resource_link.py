@@ -39,15 +39,21 @@ COMPONENT = "dlfleet-master"
 EVENT_MESSAGE_MAX = 1024
 
 
-def fields(status: job_pb2.JobStatus, min_nodes: int, max_nodes: int) -> dict[str, Any]:
-    """The DLFleetJob status fields the master owns, from its JobStatus."""
+def fields(
+    status: job_pb2.JobStatus, min_nodes: int, max_nodes: int, last_round: int = 0
+) -> dict[str, Any]:
+    """The DLFleetJob status fields the master owns, from its JobStatus and
+    the newest round the job formed so far (`last_round`; the status says 0
+    while no round is formed): Running while a round trains, Restarting
+    after the first one while the next forms (or the master is down)."""
     ready = sum(1 for node in status.nodes if node.state == NodeState.RUNNING.value)
     formed = status.master_up and status.round > 0 and status.world_size > 0
-    phase = "Running" if formed else "Restarting" if status.round > 0 else None
+    last_round = max(last_round, status.round)
+    phase = "Running" if formed else "Restarting" if last_round > 0 else None
     out: dict[str, Any] = {
         "nodes": f"{ready}/{min_nodes}/{max_nodes}",
         "readyNodes": ready,
-        "round": int(status.round),
+        "round": int(last_round),
         "recordsDone": int(sum(ds.records_done for ds in status.datasets)),
     }
     if status.HasField("goodput") and status.goodput.window_seconds > 0:
