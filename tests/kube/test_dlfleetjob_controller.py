@@ -107,8 +107,8 @@ def test_a_job_gets_its_objects_once_and_a_restarted_controller_adopts_them(
     seen = status(dlfleetjobs, namespace, "demo")
     assert seen["phase"] == "Created" and seen["observedGeneration"] == 1
     created = {c["type"]: c["status"] for c in seen["conditions"]}
-    assert created == {"Created": "True", "Suspended": "False", "Succeeded": "False",
-                       "Failed": "False"}  # fmt: skip
+    assert created == {"Created": "True", "Running": "False", "Restarting": "False",
+                       "Suspended": "False", "Succeeded": "False", "Failed": "False"}  # fmt: skip
 
     operator.reconcile_all()
     Operator(kube_api, SETTINGS, namespace).reconcile_all()  # started again

@@ -38,27 +38,33 @@ NAME = "ledger"
 @pytest.fixture
 def operator(
     kube_api: Any, kube_cluster: KubeCluster, namespace: str, tmp_path: Path
-) -> Iterator[None]:
+) -> Iterator[Path]:
+    """The controller, running; yields the job's folder (its ledger, and a
+    store that outlives a master Pod), a hostPath volume of the master's and
+    the workers' Pods, as a shared filesystem would be."""
+    root = tmp_path / "job"
+    (root / "ledger").mkdir(parents=True)
     control, control_mount = shared_volume(kube_cluster.work_dir, "control-plane")
+    shared, shared_mount = shared_volume(root)
     settings = OperatorSettings(
         master_image="dlfleet-master:test",  # the test kubelet runs the command here
         service_account="default",  # deploy/base/rbac.yaml's dlfleet-master on a cluster
         master_command=(sys.executable, "-u", "-m", "dlfleet.master"),
         master_env={"KUBECONFIG": str(kube_cluster.kubeconfig_path)},
-        master_volumes=(control,),
-        master_volume_mounts=(control_mount,),
+        master_volumes=(control, shared),
+        master_volume_mounts=(control_mount, shared_mount),
     )
     stop = threading.Event()
     thread = threading.Thread(
         target=Operator(kube_api, settings, namespace).run, args=(stop, 0.5), daemon=True
     )
     thread.start()
-    yield
+    yield root
     stop.set()
     thread.join(10)
 
 
-def resource(root: Path) -> dict[str, Any]:
+def resource(root: Path, *args: str, **spec: Any) -> dict[str, Any]:
     volume, mount = shared_volume(root)
     ledger = root / "ledger"
     return {
@@ -69,7 +75,7 @@ def resource(root: Path) -> dict[str, Any]:
             "command": str(LEDGER_SCRIPT),
             "args": ["--ledger-dir", str(ledger), "--size", str(SIZE),
                      "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-                     "--sleep-per-step", "0.15", "--checkpoint-every", "4"],
+                     "--sleep-per-step", "0.15", *(args or ("--checkpoint-every", "4"))],
             "nodes": {"min": 1, "max": 3, "initial": 2},
             "max_restarts": 3,
             "max_node_relaunches": 6,
@@ -86,6 +92,7 @@ def resource(root: Path) -> dict[str, Any]:
                 "volumes": [volume],
                 "volume_mounts": [mount],
             },
+            **spec,
         },
     }  # fmt: skip
 
@@ -104,13 +111,18 @@ class Watched:
         self.kubelet = kubelet
         self.ledger = root / "ledger"
         self.phases: list[str] = []  # each phase the status showed, in order
+        self.conditions: set[str] = set()  # each condition it showed True
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._follow, daemon=True)
 
     def _follow(self) -> None:
         while not self._stop.wait(0.1):
             with contextlib.suppress(k8s.exceptions.ApiException):
-                phase = self.status().get("phase")
+                status = self.status()
+                self.conditions |= {
+                    c["type"] for c in status.get("conditions") or [] if c["status"] == "True"
+                }
+                phase = status.get("phase")
                 if phase and (not self.phases or self.phases[-1] != phase):
                     self.phases.append(phase)
 
@@ -184,11 +196,9 @@ def test_a_dlfleetjob_trains_shows_its_status_scales_and_goes_with_its_resource(
     dlfleetjobs: Any,
     namespace: str,
     kubelet: TestKubelet,
-    operator: None,
-    tmp_path: Path,
+    operator: Path,
 ) -> None:
-    root = tmp_path / "job"
-    (root / "ledger").mkdir(parents=True)
+    root = operator
     with Watched(kube_api, dlfleetjobs, namespace, kubelet, root) as job:
         dlfleetjobs.create_namespaced_custom_object(
             crd.GROUP, crd.VERSION, namespace, crd.PLURAL, resource(root)
@@ -198,6 +208,7 @@ def test_a_dlfleetjob_trains_shows_its_status_scales_and_goes_with_its_resource(
     # re-forming after the lost node (and the scale), training, done.
     assert job.phases[:2] == ["Created", "Running"], job.phases
     assert "Restarting" in job.phases and job.phases[-1] == "Succeeded", job.phases
+    assert {"Created", "Running", "Succeeded"} <= job.conditions, job.conditions
 
 
 def run_the_job(job: Watched, kube_cluster: KubeCluster, dlfleetjobs: Any, kubelet: Any) -> None:
@@ -246,3 +257,51 @@ def run_the_job(job: Watched, kube_cluster: KubeCluster, dlfleetjobs: Any, kubel
 
     dlfleetjobs.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, NAME)
     job.until(lambda: job.left() == [], "everything gone with the resource")
+
+
+def test_a_suspended_dlfleetjob_makes_nothing_and_a_running_one_suspended_resumes_its_steps(
+    kube_api: Any, dlfleetjobs: Any, namespace: str, kubelet: TestKubelet, operator: Path
+) -> None:
+    """Suspended from the start: nothing is made. Resumed, it trains; suspended
+    while it trains, everything it runs goes, its workers persisting their
+    newest in-memory checkpoint as SIGTERM asks (no periodic persist here);
+    resumed again, a new master continues from the job's store and the
+    workers from that checkpoint, and every record is trained once."""
+    root = operator
+    with Watched(kube_api, dlfleetjobs, namespace, kubelet, root) as job:
+        dlfleetjobs.create_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, namespace, crd.PLURAL,
+            # Persisted only at step 1000, past the job's end: the step the
+            # resumed workers restore can only come from the SIGTERM persist.
+            resource(root, "--in-memory", "--persist-every", "1000", suspend=True,
+                     state_store=f"sqlite:///{root / 'state.db'}"),
+        )  # fmt: skip
+        job.until(lambda: job.status().get("phase") == "Suspended", "Suspended")
+        assert job.left() == []
+
+        def suspend(value: bool) -> None:
+            dlfleetjobs.patch_namespaced_custom_object(
+                crd.GROUP, crd.VERSION, namespace, crd.PLURAL, NAME, {"spec": {"suspend": value}}
+            )
+
+        suspend(False)
+        job.until(lambda: len(job.workers()) == 2, "2 worker pods", 90)
+        job.until(lambda: job.steps() >= 2 * 6, "6 steps of 2 ranks")
+        suspend(True)
+        # The token Secret stays, for the job to resume with.
+        running = f"everything the job ran gone (left: {job.left()})"
+        job.until(lambda: job.left() == [f"Secret/{NAME}-token"], running, 90)
+        assert job.status()["phase"] == "Suspended"
+        trained = max(e.step for e in read_ledger(job.ledger)[0])
+        suspend(False)
+        job.until(
+            lambda: job.status().get("phase") in ("Succeeded", "Failed"), "the job to end", 240
+        )
+    assert job.status()["phase"] == "Succeeded", job.master_log()
+    assert job.phases[:3] == ["Suspended", "Created", "Running"], job.phases
+    assert "Suspended" in job.phases[3:], job.phases
+    assert_exactly_once(job.ledger, size=SIZE, epochs=EPOCHS)
+    # The resumed workers started from the step the suspended ones persisted
+    # (the step in flight at SIGTERM may not have completed everywhere).
+    restored = [r.restored_step for r in read_ledger(job.ledger)[1]]
+    assert restored and max(restored) >= trained - 1, (restored, trained)

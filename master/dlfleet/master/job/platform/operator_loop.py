@@ -214,7 +214,11 @@ class Operator:
         found: Mapping[tuple[str, str], Mapping[str, Any]],
     ) -> None:
         phase, reason, message = self._phase(resource, status, done, found)
-        conditions = _conditions(status.get("conditions") or [], phase, reason, message)
+        if phase is None:  # the master's phase stands: the conditions follow it
+            shown = (status.get("phase"), status.get("reason") or "", status.get("message") or "")
+        else:
+            shown = (phase, reason, message)
+        conditions = _conditions(status.get("conditions") or [], *shown)
         patch: dict[str, Any] = {
             "status": {"observedGeneration": resource.generation, "conditions": conditions}
         }
@@ -263,11 +267,14 @@ class Operator:
 def _conditions(
     before: list[Mapping[str, Any]], phase: str | None, reason: str, message: str
 ) -> list[dict[str, Any]]:
-    """Created, Suspended, Succeeded, Failed: each True when the phase says
-    so, keeping its transition time while it does not change."""
+    """Created, Running, Restarting, Suspended, Succeeded, Failed: each True
+    when the phase says so (Created once the master exists), keeping its
+    transition time while it does not change."""
     now = _now()
     truths = {
-        "Created": phase in ("Created", "Succeeded") or phase is None,
+        "Created": phase in ("Created", "Running", "Restarting", "Succeeded"),
+        "Running": phase == "Running",
+        "Restarting": phase == "Restarting",
         "Suspended": phase == "Suspended",
         "Succeeded": phase == "Succeeded",
         "Failed": phase == "Failed",
