@@ -569,6 +569,9 @@ class Agent:
             self._stop_workers()
             self._last_word()
             return
+        # Before the abort: a spare that takes over a dead rank starts its
+        # progress file over.
+        self._last_word()
         abort = Abort(round_, reason)
         assert self.group is not None
         for pid in self.group.pids:
