@@ -16,7 +16,7 @@ import pytest
 from harness import TOKEN, Running
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlfleet.api.client import MasterClient
+from dlfleet.api.client import AgentSession, MasterClient
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.master.core.goodput import Cause
 from dlfleet.master.core.rendezvous import RendezvousSettings
@@ -61,25 +61,41 @@ def wait_for_beats(seconds: float = 0.3) -> None:
     time.sleep(seconds)
 
 
+# A job of one node: each round forms as soon as it joins.
+ONE_NODE = MasterSettings(
+    job_name="job",
+    rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
+)
+
+
+def node_session(
+    client: MasterClient, name: str, interval_s: float = 0.05
+) -> tuple[Any, AgentSession]:
+    """Register `name` and open its heartbeat session."""
+    node = client.register_node(job_name="job", node_name=name, local_world_size=1)
+    return node, client.agent_session(node.node_id, node.incarnation, interval_s)
+
+
+def join(client: MasterClient, node: Any, port: int = 29500) -> int:
+    """Join the rendezvous; the round it formed."""
+    answer = client.join_rendezvous(
+        node_id=node.node_id,
+        incarnation=node.incarnation,
+        local_world_size=1,
+        host="127.0.0.1",
+        bootstrap_port=port,
+    )
+    return int(answer.round)
+
+
 def test_a_hang_and_its_restart_are_accounted_beside_the_productive_time(
     start_master: Callable[..., Running],
 ) -> None:
-    settings = MasterSettings(
-        job_name="job",
-        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
-    )
-    running = start_master(settings, http=HttpSettings())
+    running = start_master(ONE_NODE, http=HttpSettings())
     client = running.client
-    node = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
-    session = client.agent_session(node.node_id, node.incarnation, 0.05)
+    node, session = node_session(client, "node-a")
     try:
-        answer = client.join_rendezvous(
-            node_id=node.node_id,
-            incarnation=node.incarnation,
-            local_world_size=1,
-            host="127.0.0.1",
-            bootstrap_port=29500,
-        )
+        round_ = join(client, node)
         session.metrics = rendezvous_pb2.NodeMetrics(steps=0)
         wait_for_beats()
         steps = train_for(session, 0, 1.0)
@@ -89,7 +105,7 @@ def test_a_hang_and_its_restart_are_accounted_beside_the_productive_time(
             rendezvous_pb2.FailureReport(
                 node_id=node.node_id,
                 incarnation=node.incarnation,
-                round=answer.round,
+                round=round_,
                 exit_code=1,
                 message="hung: no training step for 0.5s",
                 restarting=True,
@@ -131,36 +147,18 @@ def test_a_hang_and_its_restart_are_accounted_beside_the_productive_time(
 def test_losing_the_only_node_waits_for_nodes_then_for_the_replacement_to_step(
     start_master: Callable[..., Running],
 ) -> None:
-    settings = MasterSettings(
-        job_name="job",
-        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
-    )
-    running = start_master(settings, http=HttpSettings())
+    running = start_master(ONE_NODE, http=HttpSettings())
     client = running.client
-    first = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
-    session = client.agent_session(first.node_id, first.incarnation, 0.05)
-    client.join_rendezvous(
-        node_id=first.node_id,
-        incarnation=first.incarnation,
-        local_world_size=1,
-        host="127.0.0.1",
-        bootstrap_port=29500,
-    )
+    first, session = node_session(client, "node-a")
+    join(client, first)
     session.metrics = rendezvous_pb2.NodeMetrics(steps=0)
     wait_for_beats()
     train_for(session, 0, 0.5)
     session.close()  # the agent died: its session ends, and the node is lost
     wait_for_beats(0.4)
-    second = client.register_node(job_name="job", node_name="node-b", local_world_size=1)
-    replacement = client.agent_session(second.node_id, second.incarnation, 0.05)
+    second, replacement = node_session(client, "node-b")
     try:
-        client.join_rendezvous(
-            node_id=second.node_id,
-            incarnation=second.incarnation,
-            local_world_size=1,
-            host="127.0.0.1",
-            bootstrap_port=29501,
-        )
+        join(client, second, 29501)
         replacement.metrics = rendezvous_pb2.NodeMetrics(steps=0)
         wait_for_beats()
         train_for(replacement, 0, 0.5)
@@ -182,22 +180,11 @@ def test_losing_the_only_node_waits_for_nodes_then_for_the_replacement_to_step(
 def test_the_checkpoint_blocking_a_heartbeat_reports_is_lost_to_checkpoint(
     start_master: Callable[..., Running],
 ) -> None:
-    settings = MasterSettings(
-        job_name="job",
-        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
-    )
-    running = start_master(settings, http=HttpSettings())
+    running = start_master(ONE_NODE, http=HttpSettings())
     client = running.client
-    node = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
-    session = client.agent_session(node.node_id, node.incarnation, 0.05)
+    node, session = node_session(client, "node-a")
     try:
-        client.join_rendezvous(
-            node_id=node.node_id,
-            incarnation=node.incarnation,
-            local_world_size=1,
-            host="127.0.0.1",
-            bootstrap_port=29500,
-        )
+        join(client, node)
         session.metrics = rendezvous_pb2.NodeMetrics(steps=0)
         wait_for_beats()
         steps = train_for(session, 0, 1.0)
@@ -226,15 +213,10 @@ def test_a_restarted_master_goes_on_with_the_ledger_of_the_one_before(
     from dlfleet.master.service import server as server_module
 
     monkeypatch.setattr(server_module, "GOODPUT_WRITE_MS", 200)
-    settings = MasterSettings(
-        job_name="job",
-        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
-    )
-    first = start_master(settings, http=HttpSettings())
+    first = start_master(ONE_NODE, http=HttpSettings())
     # The node's own client (the master's goes with it).
     client = MasterClient(first.address, token=TOKEN, timeout_s=5)
-    node = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
-    session = client.agent_session(node.node_id, node.incarnation, 0.05)
+    node, session = node_session(client, "node-a")
     training = threading.Event()
 
     def train() -> None:
@@ -245,13 +227,7 @@ def test_a_restarted_master_goes_on_with_the_ledger_of_the_one_before(
 
     trainer = threading.Thread(target=train)
     try:
-        client.join_rendezvous(
-            node_id=node.node_id,
-            incarnation=node.incarnation,
-            local_world_size=1,
-            host="127.0.0.1",
-            bootstrap_port=29500,
-        )
+        join(client, node)
         session.metrics = rendezvous_pb2.NodeMetrics(steps=0)
         wait_for_beats()
         trainer.start()
@@ -261,7 +237,7 @@ def test_a_restarted_master_goes_on_with_the_ledger_of_the_one_before(
         monkeypatch.setattr(first.server, "_write_goodput", lambda now_ms: None)
         start_master.stop(first)  # type: ignore[attr-defined]
         port = int(first.address.rsplit(":", 1)[1])
-        second = start_master(settings, port=port, http=HttpSettings())
+        second = start_master(ONE_NODE, port=port, http=HttpSettings())
         heard = second.server.rendezvous.metrics
         deadline = time.monotonic() + 15
         while node.node_id not in heard:
@@ -292,32 +268,20 @@ def test_the_final_count_of_stopped_workers_is_productive_not_lost_to_the_restar
     own interval is longer than the test). The node's workers step 0.3 s
     past its last beat, one fails, and its agent's last word tells their
     final count on the closed round's session: those steps are productive."""
-    settings = MasterSettings(
-        job_name="job",
-        rendezvous=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_timeout_ms=0),
-    )
-    running = start_master(settings)
+    running = start_master(ONE_NODE)
     client = running.client
-    node = client.register_node(job_name="job", node_name="node-a", local_world_size=1)
-    session = client.agent_session(node.node_id, node.incarnation, 600.0)
+    node, session = node_session(client, "node-a", 600.0)
 
     def beat(steps: int) -> None:
         session.metrics = rendezvous_pb2.NodeMetrics(steps=steps, step_time_ms=STEP_MS)
         assert session.beat_now()
 
-    def join() -> int:
-        answer = client.join_rendezvous(
-            node_id=node.node_id,
-            incarnation=node.incarnation,
-            local_world_size=1,
-            host="127.0.0.1",
-            bootstrap_port=29500,
-        )
-        session.round = answer.round
-        return int(answer.round)
+    def rejoin() -> int:
+        session.round = join(client, node)
+        return session.round
 
     try:
-        first = join()
+        first = rejoin()
         beat(0)
         start = time.monotonic()
         time.sleep(1.0)
@@ -336,7 +300,7 @@ def test_the_final_count_of_stopped_workers_is_productive_not_lost_to_the_restar
         )
         beat(130)  # the last word, about round `first`
         time.sleep(0.2)
-        assert join() == first + 1
+        assert rejoin() == first + 1
         beat(0)  # the next process
         restarted = time.monotonic()
         time.sleep(0.5)
