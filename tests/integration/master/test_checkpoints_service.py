@@ -9,12 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from harness import TOKEN, Running
 
 from dlfleet.api.client import MasterClient
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, MASTER_ENV, TOKEN_ENV
 from dlfleet.api.errors import InvalidArgument, StaleError, Unauthenticated
 from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2
@@ -25,6 +28,7 @@ from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.journal import CHECKPOINTS_STREAM
 from dlfleet.master.service.state import MasterSettings, MasterState
 from dlfleet.master.store.sql import open_store
+from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.integration
 
@@ -253,6 +257,55 @@ def test_the_records_survive_a_master_restart_on_the_same_store(
     # The restarted master still knows the nodes: their losses still count.
     again.deregister_node(*a)
     assert {c.node_id for c in again.latest_checkpoint().copies} == {b[0]}
+
+
+def test_a_committed_step_lost_with_every_node_that_held_it_is_told_unless_persisted(
+    master: Running,
+) -> None:
+    client = master.client
+    a, b = register(client, "a", "b")
+    form_rounds(client, a, 1)
+    save_step(client, [a, b], step=10)
+    save_step(client, [a, b], step=20)
+    assert client.latest_checkpoint().lost_step == 0  # found: nothing lost
+    client.report_persisted(
+        checkpoint_pb2.PersistedReport(step=10, path="/ckpt/10", round=1, world_size=2)
+    )
+    client.deregister_node(*a)
+    client.deregister_node(*b)
+    latest = client.latest_checkpoint()
+    assert not latest.found and latest.lost_step == 20  # step 10 is on disk, 20 nowhere
+    assert client.latest_checkpoint(before_step=20).lost_step == 0  # the ladder's later asks
+    client.report_persisted(
+        checkpoint_pb2.PersistedReport(step=20, path="/ckpt/20", round=1, world_size=2)
+    )
+    assert client.latest_checkpoint().lost_step == 0
+
+
+def test_a_rank_that_finds_nothing_after_a_lost_step_says_it_starts_afresh(
+    master: Running,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every node that held step 20 is gone and nothing was persisted: the
+    Checkpointer of the next round restores nothing, and says why that
+    loses the job's training so far instead of starting over in silence."""
+    client = master.client
+    a, b = register(client, "a", "b")
+    form_rounds(client, a, 1)
+    save_step(client, [a, b], step=20)
+    client.deregister_node(*a)
+    client.deregister_node(*b)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(MASTER_ENV, master.address)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(CHECKPOINT_DIR_ENV, str(tmp_path / "shm"))
+    with Checkpointer(persist_every=100, persist_dir=tmp_path / "disk") as checkpointer:
+        assert checkpointer.load({"w": torch.zeros(2)}) is None
+    said = [r.getMessage() for r in caplog.records if "starting afresh" in r.getMessage()]
+    assert len(said) == 1 and "committed step 20" in said[0], caplog.text
 
 
 def test_persisted_steps_show_in_the_status_newest_first(master: Running) -> None:

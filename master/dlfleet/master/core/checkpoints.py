@@ -290,6 +290,14 @@ class CheckpointTable:
     def committed_step(self) -> int:
         return max((s for s, r in self.records.items() if r.committed), default=NONE)
 
+    def lost_step(self) -> int:
+        """The newest committed step that is neither restorable nor persisted
+        (its images went with the nodes that held them), when nothing newer
+        or as new is restorable or persisted; NONE otherwise."""
+        committed = self.committed_step()
+        kept = max(self.restorable_step(), self.persisted.step if self.persisted else NONE)
+        return committed if committed > kept else NONE
+
     def committed_in_round(self, round_: int) -> int:
         """The newest step `round_` itself saved that is committed: how far
         that round got (the restart-loop breaker's measure of progress)."""

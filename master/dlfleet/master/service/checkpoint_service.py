@@ -74,6 +74,8 @@ class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):
         await self.commit(events)  # what it read is durable before it is told
         record = wire.checkpoint_record_to_wire(view)
         record.below_step = breaker.ceiling or 0
+        if view is None and request.before_step == 0 and breaker.ceiling is None:
+            record.lost_step = max(0, table.lost_step())
         return record
 
     def _restored_step(self, view: CheckpointView | None) -> int:

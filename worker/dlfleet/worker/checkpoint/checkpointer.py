@@ -616,8 +616,9 @@ class Checkpointer:
         rank, world, _ = _context()
         before = 0
         ceiling: list[int] = []  # the master's restart-loop ceiling, once told
+        lost: list[int] = []  # a committed step the master says is gone, once told
         for _ in range(_ATTEMPTS):
-            step, addresses = _agree(self._newest_in_memory(before, ceiling))
+            step, addresses = _agree(self._newest_in_memory(before, ceiling, lost))
             if step < 0:
                 break
             restored = self._try(self._from_memory, step, addresses, state, rank, world)
@@ -632,6 +633,16 @@ class Checkpointer:
             alone = rank == 0 or _group_size() == 1
             step = _agree_step(self._newest_on_disk(below) if alone else -1)
             if step < 0:
+                if lost and rank == 0:
+                    _log.warning(
+                        "starting afresh, though the job had committed step %d: its images "
+                        "were on nodes that are gone and it was never persisted (persist_every "
+                        "%d, persist_dir %s). The model starts over while the dataset goes on "
+                        "from where the job was: the records trained since the start are not "
+                        "in it. Persist (persist_every, or SIGTERM before a node goes) to keep "
+                        "a job's steps past the loss of every node",
+                        lost[0], self.persist_every, self.persist_dir,
+                    )  # fmt: skip
                 return None
             restored = self._try(self._from_disk, step, [], state, rank, world)
             if restored is not None:
@@ -642,10 +653,11 @@ class Checkpointer:
         )
 
     def _newest_in_memory(
-        self, before: int, ceiling: list[int]
+        self, before: int, ceiling: list[int], lost: list[int]
     ) -> checkpoint_pb2.CheckpointRecord | None:
         """The master's newest restorable step below `before` (0: any); a
-        restart-loop ceiling it names is put in `ceiling`."""
+        restart-loop ceiling it names is put in `ceiling`, a committed step
+        it says is lost in `lost`."""
         master = os.environ.get(MASTER_ENV)
         if not master or self._private:
             return None
@@ -657,6 +669,8 @@ class Checkpointer:
                 record.below_step,
             )
             ceiling.append(record.below_step)
+        if record.lost_step > 0 and not lost:
+            lost.append(record.lost_step)
         return record if record.found else None
 
     def _newest_on_disk(self, below: int | None) -> int:
