@@ -16,7 +16,8 @@ class FakeSession(AgentSession):
     """Stands in for `AgentSession` (the node's session stream to the
     master): no stream and no heartbeats; what the master would push is put
     on `events` by the test (`push`), and the session's own reading of it
-    (`next_push`, `waiting_pushes`, `drop_pushes`) is the real one."""
+    (`next_push`, `waiting_pushes`, `drop_pushes`) is the real one; a beat
+    sent at once (`beat_now`) keeps the metrics it carried in `beats`."""
 
     def __init__(self, node_id: str = "n#1", incarnation: int = 1, interval_s: float = 0.1) -> None:
         # No super().__init__: that opens the stream on the client's loop.
@@ -33,10 +34,15 @@ class FakeSession(AgentSession):
         self.last_beat_s = 0.0
         self._leaving = False
         self.closed = False
+        self.beats: list[tuple[int, rendezvous_pb2.NodeMetrics | None]] = []
 
     def push(self, closed_round: int, reason: str) -> None:
         """The master closes round `closed_round` for `reason`."""
         self.events.put(ReRendezvous(closed_round, reason, join_id=0, answer=None))
+
+    def beat_now(self, timeout_s: float = 1.0) -> bool:
+        self.beats.append((self.round, self.metrics))
+        return True
 
     def close(self) -> None:
         self.closed = True

@@ -68,6 +68,9 @@ def test_a_push_for_the_running_round_stops_its_workers_and_rejoins(tmp_path: Pa
     phase = agent._watch(Running(ASSIGNMENT, restart_count=0))
     assert isinstance(phase, Rejoining) and phase.reason == "b left"
     assert group.stopped and agent.group is None
+    # The stopped workers' final counts went out at once, as a fresh sample.
+    assert len(session.beats) == 1
+    assert isinstance(session.beats[0][1], rendezvous_pb2.NodeMetrics)
     agent.client.close()
 
 

@@ -27,7 +27,9 @@ process and counts a restart).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import faulthandler
 import gc
 import logging
@@ -393,8 +395,19 @@ class _InProcess:
 # (py-spy: the main thread in ~ProcessGroupGloo -> thread::join, a gloo thread
 # in ~AsyncAllreduceWork -> gil_scoped_acquire). Kept a while, the group's
 # threads are idle when its last reference goes.
+# At exit, the groups still kept are leaked rather than destroyed: the
+# interpreter's teardown would run their destructors in a dying process,
+# whose joinable gloo threads can end it in std::terminate (SIGABRT after the
+# work is done: tests/integration/worker/test_process_group_retire.py saw it
+# once under load). The operating system frees them.
 RETIRED_KEEP_S = 10.0
 _retired: deque[tuple[float, object]] = deque()
+
+
+@atexit.register
+def _leak_retired() -> None:
+    for _, group in _retired:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def retire_process_group() -> None:
