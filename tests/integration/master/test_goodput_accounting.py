@@ -88,6 +88,20 @@ def join(client: MasterClient, node: Any, port: int = 29500) -> int:
     return int(answer.round)
 
 
+def fail(client: MasterClient, node: Any, round_: int, message: str) -> None:
+    """The node's agent reports a worker failure in `round_`; it restarts."""
+    client.report_worker_failure(
+        rendezvous_pb2.FailureReport(
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            round=round_,
+            exit_code=1,
+            message=message,
+            restarting=True,
+        )
+    )
+
+
 def test_a_hang_and_its_restart_are_accounted_beside_the_productive_time(
     start_master: Callable[..., Running],
 ) -> None:
@@ -101,16 +115,7 @@ def test_a_hang_and_its_restart_are_accounted_beside_the_productive_time(
         steps = train_for(session, 0, 1.0)
         # Hung: the heartbeats say no step for 0.5 s, then the watchdog's report.
         wait_for_beats(0.5)
-        client.report_worker_failure(
-            rendezvous_pb2.FailureReport(
-                node_id=node.node_id,
-                incarnation=node.incarnation,
-                round=round_,
-                exit_code=1,
-                message="hung: no training step for 0.5s",
-                restarting=True,
-            )
-        )
+        fail(client, node, round_, "hung: no training step for 0.5s")
         wait_for_beats(0.3)  # the restart
         steps = train_for(session, steps, 1.0)
         wait_for_beats()
@@ -288,16 +293,7 @@ def test_the_final_count_of_stopped_workers_is_productive_not_lost_to_the_restar
         beat(100)
         time.sleep(0.3)  # 30 steps no heartbeat tells, then a worker fails
         failed = time.monotonic()
-        client.report_worker_failure(
-            rendezvous_pb2.FailureReport(
-                node_id=node.node_id,
-                incarnation=node.incarnation,
-                round=first,
-                exit_code=1,
-                message="killed",
-                restarting=True,
-            )
-        )
+        fail(client, node, first, "killed")
         beat(130)  # the last word, about round `first`
         time.sleep(0.2)
         assert rejoin() == first + 1
