@@ -148,6 +148,7 @@ unless `--keep` or `--workdir`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -506,6 +507,60 @@ def progress(status: job_pb2.JobStatus | None) -> float:
 # --------------------------------------------------------------------------- the run
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """Between two readings of the job's own ledger (the last before a fault
+    and the last before the next, or the end): what each figure lost in the
+    same window, in seconds. `own` by cause, checkpoint blocking left out
+    (the step ledger counts it as step time)."""
+
+    fault: int  # the fault it starts with (0: the start)
+    start: float  # the window, unix seconds
+    end: float
+    own: dict[str, float]
+    external: float
+
+    @property
+    def own_lost(self) -> float:
+        return sum(self.own.values())
+
+
+def stretches(
+    readings: list[dict[str, Any]], faults: list[Fault], kept: list[Any]
+) -> list[Stretch]:
+    """Cut the readings at each fault and compare the lost time of the job's
+    ledger with the step ledger's over each piece (readings of one ledger
+    only: a master that started without its journal opens another)."""
+    if not readings:
+        return []
+
+    def lost(reading: dict[str, Any]) -> dict[str, float]:
+        return {
+            item["cause"]: float(item["seconds"])
+            for item in reading["badput"]
+            if item["cause"] != "checkpoint"
+        }
+
+    cuts: list[tuple[int, dict[str, Any]]] = [(0, readings[0])]
+    for fault in faults:
+        before = [r for r in readings if r["as_of_unix_ms"] / 1000 <= fault.t]
+        if before and before[-1] is not cuts[-1][1]:
+            cuts.append((fault.index, before[-1]))
+    cuts.append((-1, readings[-1]))
+    out = []
+    for (index, a), (_, b) in itertools.pairwise(cuts):
+        if a["opened_unix_ms"] != b["opened_unix_ms"]:
+            continue
+        lo, hi = a["as_of_unix_ms"] / 1000, b["as_of_unix_ms"] / 1000
+        if hi <= lo:
+            continue
+        la, lb = lost(a), lost(b)
+        own = {c: lb.get(c, 0.0) - la.get(c, 0.0) for c in lb}
+        own = {c: v for c, v in own.items() if abs(v) >= 0.005}
+        out.append(Stretch(index, lo, hi, own, (hi - lo) - union_length(kept, lo, hi)))
+    return out
+
+
 @dataclass
 class Result:
     settings: Settings
@@ -527,6 +582,8 @@ class Result:
     # goodput over their windows; None if never read.
     job_ledgers: list[dict[str, Any]] = field(default_factory=list)
     external_in_job_windows: float | None = None
+    # The two figures' lost time between faults, over the same windows.
+    stretches: list[Stretch] = field(default_factory=list)
     # The step watchdog's calls (wall clock), from the agents' logs, and
     # those no injected hang explains (false positives).
     hang_calls: list[float] = field(default_factory=list)
@@ -616,6 +673,8 @@ class ChaosRun:
         self.http_url = ""
         # Each master's goodput ledger as last read, by when its window opened.
         self.ledgers: dict[int, dict[str, Any]] = {}
+        # Every reading, in order: how the figure moved around each fault.
+        self.readings: list[dict[str, Any]] = []
         self._goodput_read_at = 0.0
 
     # ----------------------------------------------------------- job
@@ -769,6 +828,7 @@ class ChaosRun:
                 goodput = json.loads(answer.read()).get("goodput")
             if goodput and goodput.get("window_seconds", 0) > 0:
                 self.ledgers[int(goodput["opened_unix_ms"])] = goodput
+                self.readings.append(goodput)
 
     def _after(self) -> float:
         """Steps that count for recovery are logged after this time."""
@@ -997,6 +1057,7 @@ class ChaosRun:
                 useful_in += union_length(kept_spans, lo, hi)
                 window_in += hi - lo
         return Result(
+            stretches=stretches(self.readings, self.faults, kept_spans),
             settings=s,
             faults=self.faults,
             code=code,
@@ -1128,6 +1189,7 @@ def report(result: Result) -> None:
         f"watching"
     )
     say_job_goodput(result)
+    say_stretches(result)
     hangs = [f for f in faults if f.kind == "hang-worker"]
     say(
         f"step watchdog: {len(result.hang_calls)} calls for {len(hangs)} hangs injected, "
@@ -1149,6 +1211,21 @@ def report(result: Result) -> None:
     if not result.ok:
         say(f"(logs kept in {result.workdir})")
     say(f"ratio: {a.goodput:.3f}")
+
+
+def say_stretches(result: Result) -> None:
+    """Where the two figures part: each fault's stretch, both lost times."""
+    if not result.stretches:
+        return
+    kinds = {f.index: f.kind for f in result.faults}
+    say("lost between faults, the job's own (checkpoint blocking left out) vs external, s:")
+    for st in result.stretches:
+        causes = ", ".join(f"{c} {v:.2f}" for c, v in sorted(st.own.items()))
+        say(
+            f"  {st.fault:>3d} {kinds.get(st.fault, 'start'):11s} {st.end - st.start:6.1f}s  "
+            f"own {st.own_lost:5.2f}  external {st.external:5.2f}  "
+            f"({causes or 'nothing'})"
+        )
 
 
 def say_job_goodput(result: Result) -> None:

@@ -12,12 +12,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import pytest
 from harness import TOKEN, Running
 
 from dlfleet.api.client import AgentSession, MasterClient, ReRendezvous, join_request
 from dlfleet.api.errors import InvalidArgument, StaleError, Unavailable
-from dlfleet.api.v1 import rendezvous_pb2, shards_pb2
+from dlfleet.api.status import TOKEN_METADATA_KEY
+from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
 from dlfleet.master.core.liveness import LivenessSettings
 from dlfleet.master.core.rendezvous import RendezvousSettings
 from dlfleet.master.service.state import MasterSettings
@@ -356,6 +358,60 @@ def test_a_join_on_the_session_rides_out_a_master_restart(
     assert isinstance(theirs, rendezvous_pb2.JoinResponse), theirs
     assert theirs.round == mine.round and theirs.group_world_size == 2
     assert again.client.rendezvous_state().round == mine.round
+
+
+def open_raw_session(
+    address: str, node_id: str, incarnation: int, round_: int, timeout_s: float = 10
+) -> tuple[Any, threading.Event]:
+    """A session opened by hand (the first message says `round_`), kept
+    open until the event is set or `timeout_s`: the master's answers, as
+    they come."""
+    channel = grpc.insecure_channel(address)
+    done = threading.Event()
+
+    def messages() -> Any:
+        yield rendezvous_pb2.SessionMessage(node_id=node_id, incarnation=incarnation, round=round_)
+        done.wait(timeout_s)
+
+    stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+    events = stub.Session(messages(), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=timeout_s)
+    return events, done
+
+
+def test_a_round_that_closed_while_a_nodes_session_was_down_is_told_when_it_opens(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """The master restarts; "b" re-joins before "a"'s session is back, so
+    round 1 closes with no session of "a" to tell. When "a"'s session opens
+    saying round 1, the master tells it at once (else its workers would wait
+    on peers that left until something failed); one saying the active round
+    hears nothing."""
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b], on_session=True)
+    port = master.server.port
+    start_master.stop(master)  # type: ignore[attr-defined]
+    a.session.close()  # its link is down across the restart
+    again = start_master(settings(min_nodes=1, max_nodes=2), port=port)
+    assert b.join_on_session().round == 2
+    events, done = open_raw_session(again.address, a.node_id, a.incarnation, 1)
+    try:
+        event = next(events)
+        assert event.re_rendezvous.closed_round == 1
+        assert "closed while this node's session was down" in event.re_rendezvous.reason
+    finally:
+        done.set()
+    events, done = open_raw_session(again.address, b.node_id, b.incarnation, 2, timeout_s=1.5)
+    try:
+        with pytest.raises(grpc.RpcError) as silence:
+            next(iter(events))  # nothing until the call's deadline (or its end)
+        assert silence.value.code() in (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.UNAVAILABLE,
+        )
+    finally:
+        done.set()
 
 
 def test_a_closed_session_fails_its_join(

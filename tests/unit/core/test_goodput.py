@@ -239,7 +239,7 @@ def play(ledger: GoodputLedger, op: Op, now_ms: int, steps: dict[str, int]) -> N
     elif op.kind == "stopped":
         steps[op.node] = steps.get(op.node, 0) + op.value
         trained = steps[op.node] if op.value % 2 else None
-        ledger.stopped(op.node, steps[op.node], now_ms, trained)
+        ledger.stopped(op.node, steps[op.node], now_ms, trained, float(op.after_ms % 500))
     else:
         ledger.checkpoint_blocked(op.node, op.value / 10, now_ms)
 
@@ -384,6 +384,52 @@ def test_the_time_since_the_counts_were_written_waits_for_the_next_count() -> No
     report = ledger.report()
     assert report.lost_ms[Cause.RESTART] == pytest.approx(400)
     assert report.productive_ms == pytest.approx(5000 + 300 + 1300)
+
+
+def test_counts_with_their_write_times_make_training_productive_up_to_the_write() -> None:
+    """Steps slower than their reported time (a loaded machine: 5 steps a
+    second, each said to take 100 ms): steps x step time would leave half of
+    every second as slack; the write times show training went on."""
+    ledger = GoodputLedger()
+    ledger.stepped("a", 0, 0.0, 0)
+    steps = 0
+    for beat in range(1, 11):
+        steps += 5
+        age = 50.0 + 40 * (beat % 4)  # each beat reads a write 50-170 ms old
+        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, age)
+    report = ledger.report()
+    assert report.lost_ms[Cause.OTHER] == 0
+    # From the first count (5 steps of 100 ms: opened at 0.5 s) up to the
+    # last write (10 s - 130 ms): the rest waits for a count.
+    assert report.opened_ms == 500
+    assert report.productive_ms == pytest.approx(10_000 - 500 - 130)
+    assert report.ratio == 1.0
+
+
+def test_a_crash_with_write_times_loses_from_the_last_write_before_it() -> None:
+    ledger = GoodputLedger()
+    ledger.stepped("a", 0, 0.0, 0)
+    ledger.stepped("b", 0, 0.0, 0)
+    steps = 0
+    for beat in range(1, 6):
+        steps += 10
+        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, 100.0)
+        ledger.stepped("b", steps, STEP_MS, 1000 * beat + 500, None, 100.0)
+    # Both step on until 5.8 s; "a" (the reference) is killed with its agent
+    # and never tells; the round closes at 6.2 s, and "b", aborted in place,
+    # tells its final count, written at 5.8 s.
+    ledger.interrupted(Cause.NODE_REPLACEMENT, Cause.NODE_REPLACEMENT, 6200)
+    ledger.node_gone("a")
+    ledger.stopped("b", steps + 4, 6300, None, 500.0)
+    ledger.stopped("b", steps + 4, 6400, None, 600.0)  # the same again: nothing more
+    report = ledger.report()
+    assert report.productive_ms == pytest.approx(5800)
+    assert report.lost_ms[Cause.NODE_REPLACEMENT] == pytest.approx(0)  # not settled yet
+    # Training resumes at 7 s ("b", in place: 3 steps since its word).
+    ledger.stepped("b", steps + 7, STEP_MS, 7300, None, 0.0)
+    report = ledger.report()
+    assert report.lost_ms[Cause.NODE_REPLACEMENT] == pytest.approx(7000 - 5800)
+    assert report.productive_ms == pytest.approx(5800 + 300)
 
 
 @settings(max_examples=200, deadline=None)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlfleet.worker.agent.watchdog import WARMUP_WRITES, Bounds, StepPace
+from dlfleet.worker.agent.watchdog import CATCH_UP_S, WARMUP_WRITES, Bounds, StepPace
 
 gaps = st.lists(st.floats(min_value=0.01, max_value=30.0), min_size=0, max_size=40)
 bounds = st.builds(
@@ -112,3 +112,15 @@ def test_a_gap_while_the_master_was_away_is_not_learned() -> None:
     assert pace.limit() == pytest.approx(2.4)
     pace.saw(now + 3.0, excused_at=now + 0.7)  # the next gap began after it: learned
     assert pace.limit() == pytest.approx(4.4)
+
+
+def test_after_the_master_was_away_only_the_ceiling_judges_for_a_while() -> None:
+    """A save waits for the master to commit its step once it answers again
+    (the keeper's bounds): the learned bound must not call that wait a hang
+    (a chaos run saw it once: 0.7 s, right after a master restart)."""
+    pace = StepPace(Bounds(ceiling=5.0, factor=4.0, floor=0.5))
+    feed(pace, 0.0, [0.15] * WARMUP_WRITES)
+    assert pace.limit() == pytest.approx(0.6)
+    assert pace.limit(since_master_away=0.5) == 5.0
+    assert pace.limit(since_master_away=CATCH_UP_S - 0.1) == 5.0
+    assert pace.limit(since_master_away=CATCH_UP_S) == pytest.approx(0.6)

@@ -32,6 +32,17 @@ up to a progress interval before it): when steps end an interruption, the
 time since their write is idle again rather than the interruption's, and
 the next count takes it back with the steps made in it.
 
+Write times, where the heartbeats tell them, settle the rest without the
+typical step: two writes of one process with steps between them and no
+interruption heard mean the job trained all the way to the later write,
+however long its steps took meanwhile (a loaded machine's slow steps are
+the job's pace, not slack), and what came after that write waits for the
+next count. At an interruption, a node's last word settles the time up to
+its last write, whichever node of the round says it (ranks step together:
+the survivors of a node that died with its agent tell when training
+stopped). Steps x the typical step time remain for the only span no write
+bounds: from the moment training resumes to the first count after it.
+
 Which heartbeats count. Data-parallel ranks step in lockstep, so one node's
 steps are the job's: the ledger follows one *reference* node, the first that
 steps, until it is lost or is no member of a new round; then the next node
@@ -133,6 +144,7 @@ class Goodput:
 class _Beat:
     steps: int
     at_ms: int
+    written_ms: int | None = None  # when its counts were written (None: not said)
 
 
 @dataclass
@@ -163,6 +175,8 @@ class GoodputLedger:
     # reached a heartbeat late), held for the next idle time while training.
     credit_ms: float = 0.0
     charges: list[_Charge] = field(default_factory=list)
+    # Where those charges begin: the last count, or the write it told of.
+    charges_from_ms: float = 0.0
     beats: dict[str, _Beat] = field(default_factory=dict)
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=TYPICAL_OF))
     blocked_ms: dict[str, float] = field(default_factory=dict)
@@ -195,7 +209,8 @@ class GoodputLedger:
         if trained_step is not None and self.reference in (None, node_id):
             self.trained_step = trained_step
         before = self.beats.get(node_id)
-        self.beats[node_id] = _Beat(steps, now_ms)
+        written = round(now_ms - age_ms) if age_ms > 0 else None
+        self.beats[node_id] = _Beat(steps, now_ms, written)
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
         made = steps if before is None or steps < before.steps else steps - before.steps
@@ -212,6 +227,15 @@ class GoodputLedger:
         self.round_steps += made
         if trained_step is not None:
             self.trained_step = trained_step
+        if (
+            self.phase is None
+            and written is not None
+            and before is not None
+            and before.written_ms is not None
+            and steps > before.steps
+        ):
+            self._trained_until(written, now_ms)
+            return
         since = max(before.at_ms if before is not None else self.counted_ms, self.counted_ms)
         span = max(0, now_ms - since)
         full_ms = made * self._typical_ms() if self.step_times else float(span)
@@ -309,31 +333,48 @@ class GoodputLedger:
             self.restore = (step, accounted)
 
     def stopped(
-        self, node_id: str, steps: int, now_ms: int, trained_step: int | None = None
+        self,
+        node_id: str,
+        steps: int,
+        now_ms: int,
+        trained_step: int | None = None,
+        age_ms: float = 0.0,
     ) -> None:
         """The last count of a node's workers in a round that closed: its
         agent's word as it stopped them (or a beat that still speaks of that
-        round). The steps its rank 0 made since the previous count were made
-        before the interruption, so they take back time charged since that
-        count, earliest first, and never mean that training resumed. If the
-        next round formed already, those trained beyond the step it restored
+        round), written `age_ms` before (0: not said). The steps its rank 0
+        made since the previous count were made before the interruption, so
+        they take back time charged since that count, earliest first (up to
+        the write, when it is known; else as many typical steps), and never
+        mean that training resumed. Ranks step together, so the word of any
+        node of that round tells how long training went on, once its write
+        time is known; the reference's also tells the steps: if the next
+        round formed already, those trained beyond the step it restored
         (`trained_step` tells; unknown: all of them) were rolled back. Too
         late once training resumed: the time they could take back is settled."""
         before = self.beats.get(node_id)
+        written = round(now_ms - age_ms) if age_ms > 0 else None
+        reference = node_id == self.reference
         if (
             self.opened_ms is None
             or self.phase is None
-            or node_id != self.reference
             or before is None
             or steps <= before.steps
+            or (not reference and written is None)
         ):
             return
         self._advance(now_ms)
         made = steps - before.steps
-        self.beats[node_id] = _Beat(steps, now_ms)
-        span = max(0, now_ms - max(before.at_ms, self.counted_ms))
-        taken = self._take_back(self._time_of(made, span), earliest_first=True)
+        self.beats[node_id] = _Beat(steps, now_ms, written)
+        if written is not None:
+            trained_ms = max(0.0, written - self.charges_from_ms)
+        else:
+            trained_ms = self._time_of(made, max(0, now_ms - max(before.at_ms, self.counted_ms)))
+        taken = self._take_back(trained_ms, earliest_first=True)
+        self.charges_from_ms += taken
         self.productive_ms += taken
+        if not reference:
+            return
         if self.restore is None:
             # The round that will restore has not formed: the steps are the
             # closed round's, for it to roll back.
@@ -390,7 +431,10 @@ class GoodputLedger:
             "stepping": self.stepping,
             "credit_ms": self.credit_ms,
             "charges": [[charge.cause, charge.ms] for charge in self.charges],
-            "beats": {node: [beat.steps, beat.at_ms] for node, beat in self.beats.items()},
+            "charges_from_ms": self.charges_from_ms,
+            "beats": {
+                node: [beat.steps, beat.at_ms, beat.written_ms] for node, beat in self.beats.items()
+            },
             "step_times": list(self.step_times),
             "blocked_ms": self.blocked_ms,
             "trained_step": self.trained_step,
@@ -414,6 +458,9 @@ class GoodputLedger:
         def cause(value: str | None) -> Cause | None:
             return None if value is None else known(value)
 
+        def _beat(steps: int, at_ms: int, written_ms: int | None = None) -> _Beat:
+            return _Beat(int(steps), int(at_ms), None if written_ms is None else int(written_ms))
+
         ledger = cls()
         lost = dict.fromkeys(Cause, 0.0)
         for name, ms in data.get("lost_ms", {}).items():
@@ -432,7 +479,8 @@ class GoodputLedger:
         ledger.stepping = bool(data.get("stepping", False))
         ledger.credit_ms = float(data.get("credit_ms", 0.0))
         ledger.charges = [_Charge(cause(c), float(ms)) for c, ms in data.get("charges", [])]
-        ledger.beats = {n: _Beat(int(s), int(at)) for n, (s, at) in data.get("beats", {}).items()}
+        ledger.charges_from_ms = float(data.get("charges_from_ms", ledger.counted_ms))
+        ledger.beats = {n: _beat(*fields) for n, fields in data.get("beats", {}).items()}
         ledger.step_times.extend(float(ms) for ms in data.get("step_times", []))
         ledger.blocked_ms = {n: float(ms) for n, ms in data.get("blocked_ms", {}).items()}
         ledger.trained_step = data.get("trained_step")
@@ -472,6 +520,7 @@ class GoodputLedger:
         productive = self._time_of(made, elapsed) if self.step_times else elapsed
         self.opened_ms = now_ms - round(productive)
         self.until_ms = self.counted_ms = now_ms
+        self.charges_from_ms = float(now_ms)
         self.stepping = True
         self.productive_ms = float(now_ms - self.opened_ms)
         self.reference = node_id
@@ -493,6 +542,22 @@ class GoodputLedger:
     def _counted(self, now_ms: int, *, stepping: bool) -> None:
         self.counted_ms, self.stepping = now_ms, stepping
         self.charges = []
+        self.charges_from_ms = now_ms
+
+    def _trained_until(self, written_ms: int, now_ms: int) -> None:
+        """The reference wrote counts at `written_ms` that show steps since
+        its previous write, in the same process, and training went on
+        between (no interruption heard): the job trained up to that write,
+        whatever its steps took meanwhile, so every idle moment before it is
+        productive. What came after it waits for the next count (a
+        heartbeat lags the write it reads by up to a progress interval)."""
+        keep = min(self.idle_ms, float(max(0, now_ms - written_ms)))
+        self.productive_ms += self.idle_ms - keep
+        self.idle_ms, self.aged_ms, self.credit_ms = keep, 0.0, 0.0
+        self._counted(now_ms, stepping=True)
+        if keep > 0:
+            self.charges = [_Charge(None, keep)]
+        self.charges_from_ms = now_ms - keep
 
     def _advance(self, now_ms: int) -> None:
         """Charge the time since the last event to the phase: idle while

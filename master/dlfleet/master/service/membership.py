@@ -241,14 +241,14 @@ class Membership:
         trained = metrics.trained_step if metrics.trained_step > 0 else None
         active = self.state.rendezvous.state.active
         current = active is not None and round_ in (0, active.round)
+        age_ms = metrics.steps_age_s * 1000
         if current and active is not None and active.member(node_id) is not None:
-            age_ms = metrics.steps_age_s * 1000
             self.goodput.stepped(
                 node_id, metrics.steps, metrics.step_time_ms, now_ms, trained, age_ms
             )
             self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
         elif round_ > 0 and (active is None or round_ < active.round):
-            self.goodput.stopped(node_id, metrics.steps, now_ms, trained)
+            self.goodput.stopped(node_id, metrics.steps, now_ms, trained, age_ms)
 
     def _short_of_nodes(self, now_ms: int) -> None:
         """Tell the ledger whether the job waits for nodes: no round, and

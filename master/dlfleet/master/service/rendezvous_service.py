@@ -146,6 +146,9 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         # None: the agent's side of the stream ended.
         queue: asyncio.Queue[rendezvous_pb2.SessionEvent | None] = asyncio.Queue()
         self.membership.sessions[node_id] = queue
+        missed = self._missed_close(node_id, first.round)
+        if missed is not None:
+            queue.put_nowait(missed)
         joins: set[asyncio.Task[None]] = set()
         self._joins[node_id] = joins
         reader = asyncio.create_task(
@@ -167,6 +170,29 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             self.metrics.pop(node_id, None)
             self.reports.remove(node_id)
             await self._session_ended(node_id, incarnation)
+
+    def _missed_close(self, node_id: str, round_: int) -> rendezvous_pb2.SessionEvent | None:
+        """The push a session that opens may have missed: its agent says it
+        is in `round_`, which closed while it had no session (its link was
+        down, or this master was restarting and another node re-joined
+        first), and it is not waiting for the next. A round closes only for
+        the sessions open then; without this the node's workers would wait
+        in a collective on peers that left until something fails."""
+        if round_ <= 0:
+            return None
+        rendezvous = self.state.rendezvous.state
+        active = rendezvous.active
+        if node_id in rendezvous.waiting or (active is not None and round_ > active.round):
+            return None
+        if active is not None and active.round == round_ and active.member(node_id) is not None:
+            return None
+        _log.info("round %d closed while the session of %s was down: telling it", round_, node_id)
+        return rendezvous_pb2.SessionEvent(
+            re_rendezvous=rendezvous_pb2.ReRendezvous(
+                closed_round=round_,
+                reason=f"round {round_} closed while this node's session was down",
+            )
+        )
 
     async def _read_session(
         self,
