@@ -223,7 +223,8 @@ def play(ledger: GoodputLedger, op: Op, now_ms: int, steps: dict[str, int]) -> N
         steps[op.node] = op.value if op.value < 3 else steps.get(op.node, 0) + op.value
         trained = steps[op.node] + op.value if op.value % 2 else None
         age = float(op.after_ms % 700)
-        ledger.stepped(op.node, steps[op.node], float(op.value * 10), now_ms, trained, age)
+        run = float(op.after_ms % 1900) if op.value % 3 else 0.0
+        ledger.stepped(op.node, steps[op.node], float(op.value * 10), now_ms, trained, age, run)
     elif op.kind == "interrupt":
         ledger.interrupted(op.cause, op.then, now_ms)
     elif op.kind == "wait":
@@ -430,6 +431,31 @@ def test_a_crash_with_write_times_loses_from_the_last_write_before_it() -> None:
     report = ledger.report()
     assert report.lost_ms[Cause.NODE_REPLACEMENT] == pytest.approx(7000 - 5800)
     assert report.productive_ms == pytest.approx(5800 + 300)
+
+
+def test_training_resumes_when_the_counts_say_their_run_of_steps_began() -> None:
+    """A killed worker of the reference node: its agent's last word (written
+    at 5.45 s), the failure at 5.6 s, a beat that still reads the dead
+    process's file, then the spare's counts: its first step was at 6.3 s.
+    Lost: 5.45 to 6.3 s, not up to the beat that showed no steps."""
+    ledger = GoodputLedger()
+    ledger.stepped("a", 0, 0.0, 0)
+    steps = 0
+    for beat in range(1, 6):
+        steps += 10
+        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, 100.0)
+    ledger.stepped("a", steps + 4, STEP_MS, 5600, None, 150.0)  # the last word
+    ledger.interrupted(Cause.RESTART, Cause.RESTART, 5600)
+    ledger.round_formed(frozenset({"a"}))
+    ledger.stepped("a", steps + 4, STEP_MS, 6100, None, 650.0)  # the same file again
+    ledger.stepped("a", 8, STEP_MS, 7100, None, 50.0, 800.0)  # the spare, from 6.3 s
+    report = ledger.report()
+    assert report.phase is None
+    assert report.lost_ms[Cause.RESTART] == pytest.approx(6300 - 5450)
+    assert report.productive_ms == pytest.approx(1000 + 5450 - 1000 + 7050 - 6300)
+    # And on, by the write times.
+    ledger.stepped("a", 18, STEP_MS, 8100, None, 100.0, 1800.0)
+    assert ledger.report().productive_ms == pytest.approx(5450 + 8000 - 6300)
 
 
 @settings(max_examples=200, deadline=None)

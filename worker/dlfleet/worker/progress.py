@@ -2,7 +2,9 @@
 
 The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
 writes the process's step and sample counts into it, with when it wrote them
-(`"<steps> <samples> <time.monotonic()> <blocked_s> <trained_step>"`, a clock
+(`"<steps> <samples> <time.monotonic()> <blocked_s> <trained_step> <since>"`,
+`since` the time of the first step of the current run of steps: since the
+process started or was last idle; a clock
 the agent on the same host shares), at most every `MIN_INTERVAL_S` (the first
 two steps at once), which also sets its modification time. Rates are taken
 between the writes' own times, not the agent's reads: a read lags its write
@@ -60,11 +62,13 @@ class Counts(NamedTuple):
     at: float | None = None
     blocked_s: float = 0.0
     trained_step: int | None = None  # None: not known (no save yet)
+    since: float | None = None  # the current run of steps began (None: not said)
 
 
 _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
 _blocked_s = [0.0]  # time saves kept this process's steps waiting
+_since = [0.0]  # the first step since the process started or was idle (0: none yet)
 # The training step minus the step count at the last save (None: no save yet).
 _step_offset: list[int | None] = [None]
 
@@ -76,7 +80,9 @@ def step(samples: int = 0) -> None:
     # The clock first: this runs on every training step, and most calls
     # write nothing (reading the environment costs more than the clock).
     now = time.monotonic()
-    if now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
+    if not _since[0]:
+        _since[0] = now
+    elif now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
         return
     _last[0] = now
     _write(now)
@@ -97,7 +103,7 @@ def _write(now: float) -> None:
 def _line(now: float) -> str:
     offset = _step_offset[0]
     trained = -1 if offset is None else _counts[0] + offset
-    return f"{_counts[0]} {_counts[1]} {now:.6f} {_blocked_s[0]:.6f} {trained}\n"
+    return f"{_counts[0]} {_counts[1]} {now:.6f} {_blocked_s[0]:.6f} {trained} {_since[0]:.6f}\n"
 
 
 def saved(step: int, blocked_s: float) -> None:
@@ -125,10 +131,11 @@ def read_counts(path: str) -> Counts | None:
             return Counts(int(fields[0]), int(fields[1]))
         if len(fields) == 3:
             return Counts(int(fields[0]), int(fields[1]), float(fields[2]))
-        steps, samples, at, blocked, trained = fields
+        steps, samples, at, blocked, trained, *rest = fields
         step = int(trained)
+        since = float(rest[0]) if rest and float(rest[0]) > 0 else None
         return Counts(
-            int(steps), int(samples), float(at), float(blocked), step if step >= 0 else None
+            int(steps), int(samples), float(at), float(blocked), step if step >= 0 else None, since
         )
     except (OSError, ValueError):
         return None
@@ -139,6 +146,6 @@ def idle() -> None:
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
-    _last[0] = 0.0
+    _last[0] = _since[0] = 0.0
     with contextlib.suppress(OSError):
         os.unlink(path)

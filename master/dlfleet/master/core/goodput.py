@@ -201,11 +201,13 @@ class GoodputLedger:
         now_ms: int,
         trained_step: int | None = None,
         age_ms: float = 0.0,
+        stepping_ms: float = 0.0,
     ) -> None:
         """A heartbeat of a member of the active round: its rank 0 has made
         `steps` steps since its process started, `step_time_ms` each lately
         (0: unknown), and is at training step `trained_step` (None: unknown);
-        its counts were written `age_ms` before the heartbeat (0: unknown)."""
+        its counts were written `age_ms` before the heartbeat, and its current
+        run of steps began `stepping_ms` before it (0: unknown)."""
         if trained_step is not None and self.reference in (None, node_id):
             self.trained_step = trained_step
         before = self.beats.get(node_id)
@@ -221,7 +223,7 @@ class GoodputLedger:
         self._advance(now_ms)
         if made <= 0 or (self.reference not in (None, node_id)):
             if node_id == self.reference:
-                self._counted(now_ms, stepping=False)
+                self._no_steps(written, now_ms)
             return
         self.reference = node_id
         self.round_steps += made
@@ -235,6 +237,8 @@ class GoodputLedger:
             and steps > before.steps
         ):
             self._trained_until(written, now_ms)
+            return
+        if self.phase is not None and self._resumed(now_ms, written, stepping_ms):
             return
         since = max(before.at_ms if before is not None else self.counted_ms, self.counted_ms)
         span = max(0, now_ms - since)
@@ -543,6 +547,46 @@ class GoodputLedger:
         self.counted_ms, self.stepping = now_ms, stepping
         self.charges = []
         self.charges_from_ms = now_ms
+
+    def _resumed(self, now_ms: int, written: int | None, stepping_ms: float) -> bool:
+        """Whether counts written at `written` whose run of steps began
+        `stepping_ms` before `now_ms` (a process's first step since it
+        started or its last attempt ended) show training resumed after the
+        interruption: then it trained from that first step to the write."""
+        if not stepping_ms > 0 or written is None:
+            return False
+        began = now_ms - stepping_ms
+        if began < self.interrupted_ms or written <= began:
+            return False
+        began = max(began, self.charges_from_ms)
+        self.credit_ms = 0.0
+        self.productive_ms += self._take_back(max(0.0, written - began), earliest_first=False)
+        self.phase, self.resumes_as, self.restore = None, None, None
+        self._release(now_ms - written)
+        self._counted(now_ms, stepping=True)
+        return True
+
+    def _no_steps(self, written: int | None, now_ms: int) -> None:
+        """The reference counted no steps. While interrupted, with its write
+        time: none up to the write, and what came after it is not known yet
+        (a stale file, a process about to step)."""
+        if self.phase is not None and written is not None:
+            self._settle_until(written)
+            self.stepping = False
+        else:
+            self._counted(now_ms, stepping=False)
+
+    def _settle_until(self, written_ms: int) -> None:
+        """Settle the time charged up to `written_ms` where it is (a count
+        showed no steps up to then); what follows may still be taken back."""
+        due = written_ms - self.charges_from_ms
+        while due > 0 and self.charges:
+            take = min(self.charges[0].ms, due)
+            self.charges[0].ms -= take
+            due -= take
+            if self.charges[0].ms <= 0:
+                self.charges.pop(0)
+        self.charges_from_ms = max(self.charges_from_ms, float(written_ms))
 
     def _trained_until(self, written_ms: int, now_ms: int) -> None:
         """The reference wrote counts at `written_ms` that show steps since

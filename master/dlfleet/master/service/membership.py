@@ -244,7 +244,13 @@ class Membership:
         age_ms = metrics.steps_age_s * 1000
         if current and active is not None and active.member(node_id) is not None:
             self.goodput.stepped(
-                node_id, metrics.steps, metrics.step_time_ms, now_ms, trained, age_ms
+                node_id,
+                metrics.steps,
+                metrics.step_time_ms,
+                now_ms,
+                trained,
+                age_ms,
+                metrics.stepping_age_s * 1000,
             )
             self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
         elif round_ > 0 and (active is None or round_ < active.round):

@@ -774,9 +774,9 @@ class Agent:
             if counts is None or counts[0] == 0:
                 continue  # not trained yet: start-up has no step to time
             stalled = now - mtime
-            limit = pace.limit()
+            limit = pace.limit(now - self._master_away_at)
             if stalled > limit:
-                if bounds.factor and not pace.learning():
+                if bounds.factor and limit < bounds.ceiling:
                     why = (
                         f"{bounds.factor:g} x the longest gap between its steps' reports, "
                         f"{pace.longest:.2f}s, at least --step-timeout-min "

@@ -129,6 +129,7 @@ class NodeSampler:
         rss = sum(_rss_bytes(pid) for pid in cpu)
         self.peak_rss = max(self.peak_rss, rss)
         counts = self._read_counts()
+        read_at = time.monotonic()  # a write during the /proc walk is younger than `now`
         self._note_steps(counts)
         step_rates, samples, step_times = [], 0.0, []
         for before, after in zip(self._counts, counts, strict=True):
@@ -151,7 +152,10 @@ class NodeSampler:
             steps=first.steps if first is not None else 0,
             checkpoint_blocked_s=first.blocked_s if first is not None else 0.0,
             trained_step=(first.trained_step or 0) if first is not None else 0,
-            steps_age_s=max(0.0, now - first.at) if first is not None and first.at else 0.0,
+            steps_age_s=max(0.0, read_at - first.at) if first is not None and first.at else 0.0,
+            stepping_age_s=(
+                max(0.0, read_at - first.since) if first is not None and first.since else 0.0
+            ),
         )
         self._at, self._cpu = now, cpu
         # A rank whose file is missing now (idle) keeps its last counts.

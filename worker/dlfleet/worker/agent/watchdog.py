@@ -20,7 +20,11 @@ Time off the watch (`progress.idle()` removes the file: evaluation, the end of
 an epoch) is not a gap: the next write starts a new one. Nor is a gap during
 which the master was away (it restarts in a second or two, and saves and
 leases may wait for it): that is not the job's pace, and learning it would
-leave every later hang of the round to the ceiling.
+leave every later hang of the round to the ceiling. For a while after the
+master was away (`CATCH_UP_S`) the learned bound does not judge either:
+a save then waits for the master to commit its step and for the peer's
+copy (the keeper's own bounds), which a 0.1 s step's learned bound would
+call a hang; the ceiling still does.
 
 Pure: the caller gives the file's modification times; tested by properties in
 tests/unit/worker/test_watchdog.py.
@@ -30,8 +34,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlfleet.worker.agent.keeper import COMMIT_WAIT_S, REPLICA_WAIT_S
+
 WARMUP_WRITES = 8
 DEFAULT_FLOOR_S = 2.0
+# After the master was last seen away: a save may wait COMMIT_WAIT_S for its
+# commit and REPLICA_WAIT_S for the peer's copy (dlfleet.worker.agent.keeper),
+# once the master answers again; a second for the reports to get through.
+CATCH_UP_S = COMMIT_WAIT_S + REPLICA_WAIT_S + 1.0
 
 
 @dataclass(frozen=True)
@@ -80,10 +90,11 @@ class StepPace:
             self.learned += 1
         self._last = mtime
 
-    def limit(self) -> float:
-        """How old the file may grow before the rank counts as hung."""
+    def limit(self, since_master_away: float = float("inf")) -> float:
+        """How old the file may grow before the rank counts as hung,
+        `since_master_away` seconds after the master was last seen away."""
         b = self.bounds
-        if b.factor == 0 or self.learned < WARMUP_WRITES:
+        if b.factor == 0 or self.learned < WARMUP_WRITES or since_master_away < CATCH_UP_S:
             return b.ceiling
         return min(b.ceiling, max(b.floor, b.factor * self.longest))
 
