@@ -115,7 +115,10 @@ the master heard of). The two are
 meant to agree within 1 percentage point over the same windows, once time
 is counted alike: a step's line spans the save after it, so the step ledger
 counts checkpoint blocking as step time, where the job's own ledger calls it
-lost (`checkpoint`); the difference is printed both ways.
+lost (`checkpoint`); the difference is printed both ways. Then, fault by
+fault, what each figure lost between the ledger's readings taken just
+before one fault and just before the next, over the same window: where the
+two part.
 
 The run passes when the job exited 0, the ledger is exactly once (each
 epoch's records trained exactly once by the final lineage), every fault was
