@@ -182,8 +182,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
             return None
         rendezvous = self.state.rendezvous.state
         active = rendezvous.active
-        if node_id in rendezvous.waiting or (active is not None and round_ > active.round):
-            return None
+        if node_id in rendezvous.waiting or round_ > rendezvous.last_round:
+            return None  # waiting already, or a round this job never formed
         if active is not None and active.round == round_ and active.member(node_id) is not None:
             return None
         _log.info("round %d closed while the session of %s was down: telling it", round_, node_id)
