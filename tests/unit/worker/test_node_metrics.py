@@ -191,24 +191,3 @@ def test_a_run_of_steps_starts_at_the_first_step_and_again_after_idle(tmp_path: 
     assert metrics.stepping_age_s >= metrics.steps_age_s
     (tmp_path / "0").write_text("12 96 18.5 0.000000 -1\n")  # an older form: not said
     assert NodeSampler(tmp_path, [999_999_999]).sample().stepping_age_s == 0.0
-
-
-def test_a_rank_that_went_idle_still_tells_its_last_counts(tmp_path: Path) -> None:
-    """A worker whose attempt ended goes idle (off the watchdog's watch)
-    before its agent stops it: the agent's last word must still read how
-    far it got, and its next run of steps starts the file over."""
-    path = tmp_path / "0"
-    code = (
-        "import os, sys; os.environ['DLFLEET_PROGRESS_FILE'] = sys.argv[1]\n"
-        "from dlfleet.worker import progress\n"
-        "for _ in range(3): progress.step(8)\n"
-        "progress.idle()\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
-    assert not path.exists()  # off the watch
-    metrics = NodeSampler(tmp_path, [999_999_999]).sample()
-    assert metrics.steps == 3 and metrics.steps_age_s > 0
-    code += "progress.step(8)\n"
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
-    assert path.exists() and not (tmp_path / f"0{progress.IDLE_SUFFIX}").exists()
-    assert NodeSampler(tmp_path, [999_999_999]).sample().steps == 4

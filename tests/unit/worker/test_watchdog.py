@@ -68,7 +68,7 @@ def test_the_bound_never_shrinks_within_a_round(
 
 
 def test_time_off_the_watch_is_not_a_gap() -> None:
-    """progress.idle() sets the file aside (evaluation, an epoch's end): the
+    """progress.idle() removes the file (evaluation, an epoch's end): the
     time until the next write is not learned as a step's gap."""
     pace = StepPace(Bounds(ceiling=300.0, factor=4.0, floor=1.0))
     now = feed(pace, 0.0, [0.5] * WARMUP_WRITES)

@@ -24,8 +24,7 @@ before its first save): the master needs it to know how many steps a restore
 rolls back, which a count since the process started cannot tell. Readers
 take the first two or three fields of a file of an older form.
 
-`idle()` takes the rank off the watch until its next `step()` (the file is
-set aside as `<file>.idle`, its counts still readable, until then): between
+`idle()` takes the rank off the watch until its next `step()`: between
 epochs, for evaluation, a final checkpoint, or the process's teardown, which
 are not steps and may take longer than one.
 
@@ -51,10 +50,6 @@ MIN_INTERVAL_S = 0.1
 # The first steps are written at once: whether a rank got past its first step
 # decides how its failure is diagnosed (an error before it is the script's).
 FIRST_STEPS_WRITTEN = 2
-# `idle()` sets the file aside under this suffix rather than deleting it: the
-# agent's last word on stopped workers reads their final counts there (a
-# rank goes idle as its attempt ends, often before its agent stops it).
-IDLE_SUFFIX = ".idle"
 
 
 class Counts(NamedTuple):
@@ -74,7 +69,6 @@ _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
 _blocked_s = [0.0]  # time saves kept this process's steps waiting
 _since = [0.0]  # the first step since the process started or was idle (0: none yet)
-_stepped = [0.0]  # the last step
 # The training step minus the step count at the last save (None: no save yet).
 _step_offset: list[int | None] = [None]
 
@@ -85,13 +79,10 @@ def step(samples: int = 0) -> None:
     _counts[1] += samples
     # The clock first: this runs on every training step, and most calls
     # write nothing (reading the environment costs more than the clock).
-    now = _stepped[0] = time.monotonic()
-    if not _since[0]:  # a run of steps begins: the last one's counts are moot
-        _since[0] = _last[0] = now
-        _write(now)
-        _drop(IDLE_SUFFIX)
-        return
-    if now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
+    now = time.monotonic()
+    if not _since[0]:
+        _since[0] = now
+    elif now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
         return
     _last[0] = now
     _write(now)
@@ -107,13 +98,6 @@ def _write(now: float) -> None:
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # a progress signal must never break training
-
-
-def _drop(suffix: str) -> None:
-    path = os.environ.get(PROGRESS_ENV)
-    if path:
-        with contextlib.suppress(OSError):
-            os.unlink(path + suffix)
 
 
 def _line(now: float) -> str:
@@ -162,14 +146,6 @@ def idle() -> None:
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
-    if _since[0]:
-        _write(_stepped[0])  # the run's last steps, for the agent's last word
     _last[0] = _since[0] = 0.0
     with contextlib.suppress(OSError):
-        os.replace(path, path + IDLE_SUFFIX)
-
-
-def read_last_counts(path: str) -> Counts | None:
-    """The counts a rank last wrote, stepping or idle (its file, else the
-    one `idle` set aside); None if neither is there."""
-    return read_counts(path) or read_counts(path + IDLE_SUFFIX)
+        os.unlink(path)

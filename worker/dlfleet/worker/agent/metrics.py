@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlfleet.api.v1 import rendezvous_pb2
-from dlfleet.worker.progress import Counts, read_last_counts
+from dlfleet.worker.progress import Counts, read_counts
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -118,9 +118,7 @@ class NodeSampler:
         return {pid: _cpu_seconds(pid) for root in self.pids for pid in descendants(root)}
 
     def _read_counts(self) -> list[Counts | None]:
-        return [
-            read_last_counts(str(self.progress_dir / str(rank))) for rank in range(len(self.pids))
-        ]
+        return [read_counts(str(self.progress_dir / str(rank))) for rank in range(len(self.pids))]
 
     def sample(self) -> rendezvous_pb2.NodeMetrics:
         now = time.monotonic()
