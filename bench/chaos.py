@@ -16,10 +16,10 @@ trained at each step (its ledger, with a wall-clock stamp per step). As the
 examples do, it trains through `dlfleet.elastic.run` (healthy ranks restart
 in place, spares take over dead ones) and saves every step in memory with
 `dlfleet.Checkpointer` (`--in-memory`); `--checkpoints disk` gives the old
-way instead, a torch.save file every 5 steps and cold restarts. It also
-feeds the agent's step watchdog (`--report-progress`:
-dlfleet.worker.progress.step() after each step, which ShardedDataLoader's
-docs promise but its code does not do). Each step
+way instead, a torch.save file every 5 steps and cold restarts. Its
+ShardedDataLoader feeds the agent's step watchdog and the job's goodput
+(dlfleet.worker.progress.step() for every batch; until 2026-11-28 the script
+called it after each step as well, which counted every step twice). Each step
 sleeps `--sleep-per-step` (0.1 s) and the dataset is sized so that
 training without faults lasts about `--minutes` (2 epochs). Generous
 limits: max_restarts and max_node_relaunches 1000, relaunch_delay_s 0.5,
@@ -692,8 +692,7 @@ class ChaosRun:
             "--sleep-per-step": s.sleep_per_step,
             "--checkpoint-every": s.checkpoint_every,
         }
-        # The script feeds the step watchdog itself: ShardedDataLoader does not (yet).
-        flags = ["--report-progress"]
+        flags: list[str] = []
         if s.checkpoints == "memory":
             flags.append("--in-memory")
         return {

@@ -77,9 +77,9 @@ tensor that is a function of the step (replicated: large enough that the
 Checkpointer cuts it among the ranks of a node); a restore checks it equals
 that function of the restored step, and fails the rank if not.
 
-`--report-progress`: call `dlfleet.worker.progress.step()` after every step
-and `idle()` when an epoch's iteration ends, for the agent's step watchdog
-(`dlworker --step-timeout`); the chaos bench uses it to hang a worker.
+The agent's step watchdog (`dlworker --step-timeout`) and the job's goodput
+hear each step from ShardedDataLoader itself (`dlfleet.worker.progress.step()`
+for every batch it hands out, `idle()` when an epoch's iteration ends).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader
-from dlfleet.worker import elastic, progress
+from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 from dlfleet.worker.loader.files import FileCatalog
@@ -182,7 +182,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--ballast-mb", type=int, default=0, help="--in-memory: see above")
     parser.add_argument("--knee", type=int, default=0, help="world size past which steps slow")
-    parser.add_argument("--report-progress", action="store_true", help="feed the step watchdog")
     parser.add_argument("--dataset-name", default="ledger-records")
     parser.add_argument(
         "--catalog",
@@ -367,16 +366,12 @@ class LedgerTrainer:
                 self.checkpoint()
             if crash_here and args.crash_point == "trained":
                 crash_once(args.ledger_dir, self.step)
-            if args.report_progress:
-                progress.step()
             if args.sleep_per_step:
                 # --knee K: a shared bottleneck (a parameter server, a storage
                 # link): past K ranks a step takes longer in proportion, so
                 # the job's throughput stops growing at K.
                 slowdown = max(1.0, self.world / args.knee) if args.knee else 1.0
                 time.sleep(args.sleep_per_step * slowdown)
-        if args.report_progress:
-            progress.idle()  # between epochs and at the end: not a hang
         return batches
 
 
