@@ -309,3 +309,40 @@ def test_the_final_count_of_stopped_workers_is_productive_not_lost_to_the_restar
     assert status.productive_seconds == pytest.approx(stepped, abs=0.1)
     # Without the last word, its 0.3 s would be here.
     assert lost[Cause.RESTART.value] == pytest.approx(restarted - failed, abs=0.1)
+
+
+def test_a_beat_that_carries_earlier_metrics_ages_them_to_when_it_goes_out(
+    start_master: Callable[..., Running],
+) -> None:
+    """The agent measures once per interval and the session beats on its own
+    timer: the master takes the ages a beat tells as of its arrival, so the
+    time since the measurement is added (before: resumed training read up to
+    a heartbeat late in the ledger). Ages of 0 (not said) stay 0."""
+    running = start_master(ONE_NODE)
+    client = running.client
+    node, session = node_session(client, "node-a", 600.0)
+    heard: dict[str, tuple[rendezvous_pb2.NodeMetrics, int]] = running.server.rendezvous.metrics
+
+    def heard_beat(steps: int) -> rendezvous_pb2.NodeMetrics:
+        assert session.beat_now()
+        deadline = time.monotonic() + 10
+        while (beat := heard.get(node.node_id)) is None or beat[0].steps != steps:
+            assert time.monotonic() < deadline, f"the beat of {steps} steps was not heard"
+            time.sleep(0.01)
+        return beat[0]
+
+    try:
+        session.round = join(client, node)
+        session.metrics = rendezvous_pb2.NodeMetrics(steps=10, steps_age_s=0.2, stepping_age_s=1.0)
+        time.sleep(0.5)
+        aged = heard_beat(10)
+        session.metrics = rendezvous_pb2.NodeMetrics(steps=11)
+        time.sleep(0.3)
+        unsaid = heard_beat(11)
+    finally:
+        session.close()
+        client.close()
+
+    assert aged.steps_age_s == pytest.approx(0.7, abs=0.15)
+    assert aged.stepping_age_s == pytest.approx(1.5, abs=0.15)
+    assert unsaid.steps_age_s == 0 and unsaid.stepping_age_s == 0

@@ -57,6 +57,22 @@ class _PendingJoin:
     sent_on: object = None
 
 
+def age_metrics(metrics: rendezvous_pb2.NodeMetrics, elapsed_s: float) -> None:
+    """Age `metrics`, measured `elapsed_s` ago, to now: the agent measures
+    once per heartbeat interval and a beat goes out on its own timer, up to an
+    interval later, while the master takes each age as of the beat's arrival
+    (how old the counts were when written, when their run of steps began, when
+    the run before it ended)."""
+    if elapsed_s <= 0:
+        return
+    if metrics.steps_age_s > 0:
+        metrics.steps_age_s += elapsed_s
+    if metrics.stepping_age_s > 0:
+        metrics.stepping_age_s += elapsed_s
+    if metrics.run_ended_age_s > 0:
+        metrics.run_ended_age_s += elapsed_s
+
+
 class AgentSession:
     """A node's session with the master, on the shared I/O loop.
 
@@ -84,8 +100,9 @@ class AgentSession:
         self.closed_by_master = threading.Event()
         self.interval = heartbeat_interval_s
         # What the next heartbeat tells about the node's training (set by the
-        # agent; None until it has measured something).
-        self.metrics: rendezvous_pb2.NodeMetrics | None = None
+        # agent; None until it has measured something), and when it was set.
+        self._metrics: rendezvous_pb2.NodeMetrics | None = None
+        self._metrics_at = 0.0
         # Set by the agent once its workers run `dlfleet.elastic.run`.
         self.restarts_in_place = False
         # When the last heartbeat went out (time.monotonic()), 0 before the first.
@@ -105,6 +122,16 @@ class AgentSession:
         self._spare_port = 0
         self._io = client._io()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._io.loop)
+
+    @property
+    def metrics(self) -> rendezvous_pb2.NodeMetrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: rendezvous_pb2.NodeMetrics | None) -> None:
+        """Set as they were measured, just now: a heartbeat that carries them
+        later adds the time since to the ages they tell."""
+        self._metrics, self._metrics_at = metrics, time.monotonic()
 
     async def _run(self) -> None:
         try:
@@ -160,8 +187,9 @@ class AgentSession:
             restarts_in_place=self.restarts_in_place,
             next_bootstrap_port=self._spare_port,
         )
-        if self.metrics is not None:
-            message.metrics.CopyFrom(self.metrics)
+        if self._metrics is not None:
+            message.metrics.CopyFrom(self._metrics)
+            age_metrics(message.metrics, time.monotonic() - self._metrics_at)
         return message
 
     async def _write(
