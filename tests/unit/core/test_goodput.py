@@ -224,7 +224,10 @@ def play(ledger: GoodputLedger, op: Op, now_ms: int, steps: dict[str, int]) -> N
         trained = steps[op.node] + op.value if op.value % 2 else None
         age = float(op.after_ms % 700)
         run = float(op.after_ms % 1900) if op.value % 3 else 0.0
-        ledger.stepped(op.node, steps[op.node], float(op.value * 10), now_ms, trained, age, run)
+        ended = run + float(op.after_ms % 1300) if op.value % 5 == 1 else 0.0
+        ledger.stepped(
+            op.node, steps[op.node], float(op.value * 10), now_ms, trained, age, run, ended
+        )
     elif op.kind == "interrupt":
         ledger.interrupted(op.cause, op.then, now_ms)
     elif op.kind == "wait":
@@ -456,6 +459,31 @@ def test_training_resumes_when_the_counts_say_their_run_of_steps_began() -> None
     # And on, by the write times.
     ledger.stepped("a", 18, STEP_MS, 8100, None, 100.0, 1800.0)
     assert ledger.report().productive_ms == pytest.approx(5450 + 8000 - 6300)
+
+
+def test_a_survivor_says_when_training_stopped_once_it_steps_again() -> None:
+    """The reference's workers live through a failure of the other node's
+    (aborted in place): its file is gone while its process is between
+    attempts, so the beat then tells nothing and settles nothing; its first
+    counts of the next run say when the run before ended (5.5 s, after its
+    last write before the failure, 4.9 s) and when this one began (6.3 s).
+    Lost: 5.5 to 6.3 s."""
+    ledger = GoodputLedger()
+    ledger.stepped("a", 0, 0.0, 0)
+    steps = 0
+    for beat in range(1, 6):
+        steps += 10
+        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, 100.0)
+    ledger.interrupted(Cause.RESTART, Cause.RESTART, 5700)
+    ledger.round_formed(frozenset({"a", "b"}))
+    ledger.stepped("a", 0, 0.0, 6000)  # between attempts: no file
+    assert ledger.report().lost_ms[Cause.RESTART] == pytest.approx(0)  # nothing settled
+    # 6 steps to 5.5 s, then 8 from 6.3 s, written at 7.05 s.
+    ledger.stepped("a", steps + 14, STEP_MS, 7100, None, 50.0, 800.0, 1600.0)
+    report = ledger.report()
+    assert report.phase is None
+    assert report.lost_ms[Cause.RESTART] == pytest.approx(6300 - 5500)
+    assert report.productive_ms == pytest.approx(5500 + 7050 - 6300)
 
 
 @settings(max_examples=200, deadline=None)

@@ -166,14 +166,16 @@ def test_the_sampler_reports_how_old_rank_0s_counts_are(tmp_path: Path) -> None:
 
 def test_a_run_of_steps_starts_at_the_first_step_and_again_after_idle(tmp_path: Path) -> None:
     """The file says when the current run of steps began: the process's
-    first step, and the first after an attempt ended (`idle`); the sampler
-    tells its age (when training resumed, for the master's goodput)."""
+    first step, and the first after an attempt ended (`idle`), and when the
+    run before it made its last step; the sampler tells their ages (when
+    training resumed and when it stopped, for the master's goodput)."""
     path = tmp_path / "0"
     code = (
         "import os, sys, time; os.environ['DLFLEET_PROGRESS_FILE'] = sys.argv[1]\n"
         "from dlfleet.worker import progress\n"
-        "first = time.monotonic(); progress.step(8); time.sleep(0.2); progress.step(8)\n"
-        "print(first)\n"
+        "first = time.monotonic(); progress.step(8); time.sleep(0.2)\n"
+        "last = time.monotonic(); progress.step(8)\n"
+        "print(first, last)\n"
         "progress.idle(); time.sleep(0.1)\n"
         "again = time.monotonic(); progress.step(8); time.sleep(0.05); progress.step(8)\n"
         "print(again)\n"
@@ -181,13 +183,15 @@ def test_a_run_of_steps_starts_at_the_first_step_and_again_after_idle(tmp_path: 
     done = subprocess.run(
         [sys.executable, "-c", code, str(path)], check=True, timeout=60, capture_output=True
     )
-    first, again = (float(line) for line in done.stdout.split())
+    first, last, again = (float(word) for word in done.stdout.split())
     counts = progress.read_counts(str(path))
     assert counts is not None and counts.steps >= 3  # the count runs on
     assert counts.since is not None and again <= counts.since < again + 0.05
     assert counts.since > first + 0.3
+    assert counts.ended is not None and last <= counts.ended < last + 0.05  # the run before
     metrics = NodeSampler(tmp_path, [999_999_999]).sample()
     assert metrics.stepping_age_s == pytest.approx(time.monotonic() - counts.since, abs=0.5)
     assert metrics.stepping_age_s >= metrics.steps_age_s
+    assert metrics.run_ended_age_s == pytest.approx(time.monotonic() - counts.ended, abs=0.5)
     (tmp_path / "0").write_text("12 96 18.5 0.000000 -1\n")  # an older form: not said
     assert NodeSampler(tmp_path, [999_999_999]).sample().stepping_age_s == 0.0

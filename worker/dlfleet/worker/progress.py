@@ -2,9 +2,10 @@
 
 The agent gives each worker a file (`$DLFLEET_PROGRESS_FILE`); `step()`
 writes the process's step and sample counts into it, with when it wrote them
-(`"<steps> <samples> <time.monotonic()> <blocked_s> <trained_step> <since>"`,
+(`"<steps> <samples> <time.monotonic()> <blocked_s> <trained_step> <since> <ended>"`,
 `since` the time of the first step of the current run of steps: since the
-process started or was last idle; a clock
+process started or was last idle; `ended` the time of the previous run's last
+step, before it went idle (0: none); a clock
 the agent on the same host shares), at most every `MIN_INTERVAL_S` (the first
 two steps at once), which also sets its modification time. Rates are taken
 between the writes' own times, not the agent's reads: a read lags its write
@@ -63,12 +64,17 @@ class Counts(NamedTuple):
     blocked_s: float = 0.0
     trained_step: int | None = None  # None: not known (no save yet)
     since: float | None = None  # the current run of steps began (None: not said)
+    # The previous run's last step (None: none, or not said): when a process
+    # that lived through an interruption stopped stepping before it.
+    ended: float | None = None
 
 
 _last = [0.0]  # when step() last wrote the file (monotonic)
 _counts = [0, 0]  # steps, samples since the process started
 _blocked_s = [0.0]  # time saves kept this process's steps waiting
 _since = [0.0]  # the first step since the process started or was idle (0: none yet)
+_stepped = [0.0]  # the last step (0: none yet)
+_ended = [0.0]  # the last step before the process was last idle (0: never idle after a step)
 # The training step minus the step count at the last save (None: no save yet).
 _step_offset: list[int | None] = [None]
 
@@ -79,7 +85,7 @@ def step(samples: int = 0) -> None:
     _counts[1] += samples
     # The clock first: this runs on every training step, and most calls
     # write nothing (reading the environment costs more than the clock).
-    now = time.monotonic()
+    now = _stepped[0] = time.monotonic()
     if not _since[0]:
         _since[0] = now
     elif now - _last[0] < MIN_INTERVAL_S and _counts[0] > FIRST_STEPS_WRITTEN:
@@ -103,7 +109,10 @@ def _write(now: float) -> None:
 def _line(now: float) -> str:
     offset = _step_offset[0]
     trained = -1 if offset is None else _counts[0] + offset
-    return f"{_counts[0]} {_counts[1]} {now:.6f} {_blocked_s[0]:.6f} {trained} {_since[0]:.6f}\n"
+    return (
+        f"{_counts[0]} {_counts[1]} {now:.6f} {_blocked_s[0]:.6f} {trained} "
+        f"{_since[0]:.6f} {_ended[0]:.6f}\n"
+    )
 
 
 def saved(step: int, blocked_s: float) -> None:
@@ -133,19 +142,30 @@ def read_counts(path: str) -> Counts | None:
             return Counts(int(fields[0]), int(fields[1]), float(fields[2]))
         steps, samples, at, blocked, trained, *rest = fields
         step = int(trained)
-        since = float(rest[0]) if rest and float(rest[0]) > 0 else None
+        since, ended = (
+            float(rest[i]) if len(rest) > i and float(rest[i]) > 0 else None for i in (0, 1)
+        )
         return Counts(
-            int(steps), int(samples), float(at), float(blocked), step if step >= 0 else None, since
+            int(steps),
+            int(samples),
+            float(at),
+            float(blocked),
+            step if step >= 0 else None,
+            since,
+            ended,
         )
     except (OSError, ValueError):
         return None
 
 
 def idle() -> None:
-    """Tell the agent this process is not stepping now (not a hang)."""
+    """Tell the agent this process is not stepping now (not a hang). The next
+    run's writes say when this run made its last step."""
     path = os.environ.get(PROGRESS_ENV)
     if not path:
         return
+    if _since[0]:
+        _ended[0] = _stepped[0]
     _last[0] = _since[0] = 0.0
     with contextlib.suppress(OSError):
         os.unlink(path)

@@ -40,8 +40,12 @@ the job's pace, not slack), and what came after that write waits for the
 next count. At an interruption, a node's last word settles the time up to
 its last write, whichever node of the round says it (ranks step together:
 the survivors of a node that died with its agent tell when training
-stopped). Steps x the typical step time remain for the only span no write
-bounds: from the moment training resumes to the first count after it.
+stopped). A process that lived through the interruption (restarted in
+place) has no last word to give (its file is gone between attempts, and a
+beat that finds none settles nothing); its first counts after it say when
+its previous run made its last step, and the job trained up to then. The
+same counts say when their run began: training resumed there. Steps x the
+typical step time remain for counts that tell neither.
 
 Which heartbeats count. Data-parallel ranks step in lockstep, so one node's
 steps are the job's: the ledger follows one *reference* node, the first that
@@ -202,12 +206,14 @@ class GoodputLedger:
         trained_step: int | None = None,
         age_ms: float = 0.0,
         stepping_ms: float = 0.0,
+        run_ended_ms: float = 0.0,
     ) -> None:
         """A heartbeat of a member of the active round: its rank 0 has made
         `steps` steps since its process started, `step_time_ms` each lately
         (0: unknown), and is at training step `trained_step` (None: unknown);
-        its counts were written `age_ms` before the heartbeat, and its current
-        run of steps began `stepping_ms` before it (0: unknown)."""
+        its counts were written `age_ms` before the heartbeat, its current
+        run of steps began `stepping_ms` before it, and the run before that
+        made its last step `run_ended_ms` before it (0: unknown)."""
         if trained_step is not None and self.reference in (None, node_id):
             self.trained_step = trained_step
         before = self.beats.get(node_id)
@@ -221,6 +227,7 @@ class GoodputLedger:
                 self._open(node_id, made, before, now_ms)
             return
         self._advance(now_ms)
+        self._run_ended(now_ms, run_ended_ms)
         if made <= 0 or (self.reference not in (None, node_id)):
             if node_id == self.reference:
                 self._no_steps(written, now_ms)
@@ -371,12 +378,10 @@ class GoodputLedger:
         made = steps - before.steps
         self.beats[node_id] = _Beat(steps, now_ms, written)
         if written is not None:
-            trained_ms = max(0.0, written - self.charges_from_ms)
+            taken = self._trained_to(written)
         else:
             trained_ms = self._time_of(made, max(0, now_ms - max(before.at_ms, self.counted_ms)))
-        taken = self._take_back(trained_ms, earliest_first=True)
-        self.charges_from_ms += taken
-        self.productive_ms += taken
+            taken = self._trained_to(self.charges_from_ms + trained_ms)
         if not reference:
             return
         if self.restore is None:
@@ -569,12 +574,30 @@ class GoodputLedger:
     def _no_steps(self, written: int | None, now_ms: int) -> None:
         """The reference counted no steps. While interrupted, with its write
         time: none up to the write, and what came after it is not known yet
-        (a stale file, a process about to step)."""
-        if self.phase is not None and written is not None:
+        (a stale file, a process about to step); without one (no file: its
+        process is between attempts), nothing: a process that lived through
+        the interruption may yet say when it stopped stepping."""
+        if self.phase is None:
+            self._counted(now_ms, stepping=False)
+        elif written is not None:
             self._settle_until(written)
             self.stepping = False
-        else:
-            self._counted(now_ms, stepping=False)
+
+    def _run_ended(self, now_ms: int, run_ended_ms: float) -> None:
+        """While interrupted: a process that lived through the interruption
+        made the last step of its previous run `run_ended_ms` before now.
+        Ranks step together, so the job trained up to then (that process had
+        no last word to give: its file is gone between attempts)."""
+        if self.phase is not None and run_ended_ms > 0:
+            self._trained_to(min(now_ms - run_ended_ms, self.interrupted_ms))
+
+    def _trained_to(self, until_ms: float) -> float:
+        """The job trained up to `until_ms`: the time charged before it since
+        the last count is productive. Returns what was moved."""
+        taken = self._take_back(max(0.0, until_ms - self.charges_from_ms), earliest_first=True)
+        self.charges_from_ms += taken
+        self.productive_ms += taken
+        return taken
 
     def _settle_until(self, written_ms: int) -> None:
         """Settle the time charged up to `written_ms` where it is (a count

@@ -251,6 +251,7 @@ class Membership:
                 trained,
                 age_ms,
                 metrics.stepping_age_s * 1000,
+                metrics.run_ended_age_s * 1000,
             )
             self.goodput.checkpoint_blocked(node_id, metrics.checkpoint_blocked_s, now_ms)
         elif round_ > 0 and (active is None or round_ < active.round):

@@ -156,6 +156,9 @@ class NodeSampler:
             stepping_age_s=(
                 max(0.0, read_at - first.since) if first is not None and first.since else 0.0
             ),
+            run_ended_age_s=(
+                max(0.0, read_at - first.ended) if first is not None and first.ended else 0.0
+            ),
         )
         self._at, self._cpu = now, cpu
         # A rank whose file is missing now (idle) keeps its last counts.
