@@ -20,7 +20,9 @@ write() and fsynced before the step goes on:
 
 `t` is the wall-clock time (time.time()) at which the line was logged; the
 next line of the same process minus this one is the step's duration (the
-chaos bench, bench/chaos.py, measures stalls and goodput with it).
+chaos bench, bench/chaos.py, measures stalls and goodput with it). `save_s`
+is how long the checkpoint after the process's previous step kept it
+waiting, timed here (0 for an attempt's first step, or a step after none).
 
 `round` is DLFLEET_ROUND (0 under plain torchrun), `restart` is
 TORCHELASTIC_RESTART_COUNT, and `attempt` orders the attempts of the job: the
@@ -274,6 +276,7 @@ class LedgerTrainer:
         )
         self.step = 0
         self.steps_this_attempt = 0
+        self.save_s = 0.0  # the last save's blocking, for the next step's line
 
     def ballast(self) -> torch.Tensor:
         """`--ballast-mb` MiB of float32, a function of the step."""
@@ -350,7 +353,9 @@ class LedgerTrainer:
                 "step": self.step,
                 "ids": [int(i) for i in ids],
                 "t": time.time(),
+                "save_s": round(self.save_s, 6),
             }
+            self.save_s = 0.0
             append_line(self.ledger, line)  # before the step's all-reduce: see above
             crash_here = self.step == args.crash_at_step and self.rank == args.crash_rank
             if crash_here and args.crash_point == "logged":
@@ -363,7 +368,9 @@ class LedgerTrainer:
             if crash_here and args.crash_point == "unsaved":
                 crash_once(args.ledger_dir, self.step)  # trained, not checkpointed
             if self.checkpointer is not None or self.step % args.checkpoint_every == 0:
+                began = time.perf_counter()
                 self.checkpoint()
+                self.save_s = time.perf_counter() - began
             if crash_here and args.crash_point == "trained":
                 crash_once(args.ledger_dir, self.step)
             if args.sleep_per_step:
