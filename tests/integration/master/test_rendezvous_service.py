@@ -5,6 +5,7 @@ stale rounds are fenced off."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -484,6 +485,40 @@ def test_without_a_spare_port_every_survivor_joins_itself(
     time.sleep(0.3)
     assert master.client.rendezvous_state().round == 0  # nobody joined a yet
     assert a.join_on_session().round == 2
+
+
+def test_a_push_that_comes_after_the_agents_own_join_was_answered_is_not_taken_later(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """Both nodes' workers fail at once: b's join closes round 1 and the
+    master joins a into round 2 itself, pushing it that answer; a's own
+    join, sent meanwhile, may be answered first (round 2), the push coming
+    after it. That push is no join to keep: a's workers fail again in round
+    2 and its next join must close round 2, not take round 2 once more (a
+    chaos run: the spare waited in a round its peer had left, until the
+    watchdog's 5 s ceiling called it hung)."""
+    master = start_master(settings(min_nodes=2, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    with ThreadPoolExecutor(2) as pool:
+        firsts = list(
+            pool.map(lambda n: n[0].join_on_session(n[1], spare=n[1] + 1), [(a, 31000), (b, 32000)])
+        )
+    assert {r.round for r in firsts} == {1}
+    assert b.join_on_session(32010, spare=32011).round == 2
+    push = a.next_push()
+    assert push.closed_round == 1 and push.join_id < 0 and push.answer is not None
+    assert a.join_on_session(31010, spare=31011).round == 2  # the master's join, taken
+    # The same push once more, as if it came after a's own join was answered.
+    late = rendezvous_pb2.ReRendezvous(
+        closed_round=push.closed_round, reason=push.reason, join_id=push.join_id, answer=push.answer
+    )
+    session = a.session
+
+    async def deliver() -> None:
+        session._master_joined(late, session._call)  # type: ignore[arg-type]
+
+    asyncio.run_coroutine_threadsafe(deliver(), session._io.loop).result(5)
+    assert a.join_on_session(31020, spare=31021).round == 3
 
 
 def test_a_member_joining_again_is_not_joined_a_second_time_by_the_master(

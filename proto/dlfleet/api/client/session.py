@@ -293,6 +293,11 @@ class AgentSession:
         pending = self._join
         if pending is not None and pending.request is not None and not pending.answer.done():
             return  # the agent's own join is on its way: its answer counts
+        if push.closed_round < self._answered_round:
+            # The agent's own join, sent as this round closed, was answered
+            # first with a newer round: the master's join for it is the same
+            # round, and the agent's next join must not take it again.
+            return
         # A join the master made earlier that the agent never took is stale.
         self._join = None
         if push.join_id:
