@@ -21,8 +21,10 @@ write() and fsynced before the step goes on:
 `t` is the wall-clock time (time.time()) at which the line was logged; the
 next line of the same process minus this one is the step's duration (the
 chaos bench, bench/chaos.py, measures stalls and goodput with it). `save_s`
-is how long the checkpoint after the process's previous step kept it
-waiting, timed here (0 for an attempt's first step, or a step after none).
+is how long `Checkpointer.save` after the process's previous step kept it
+waiting, timed here around the call (building the state dict is left out, as
+the Checkpointer cannot see it; 0 for an attempt's first step, and without
+`--in-memory`: a torch.save file reports no blocking to the job's goodput).
 
 `round` is DLFLEET_ROUND (0 under plain torchrun), `restart` is
 TORCHELASTIC_RESTART_COUNT, and `attempt` orders the attempts of the job: the
@@ -310,17 +312,17 @@ class LedgerTrainer:
 
     def checkpoint(self) -> None:
         if self.checkpointer is not None:  # every rank, every step: in memory
-            self.checkpointer.save(
-                self.step,
-                {
-                    "model": self.model.module.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "loader": self.loader.state_dict(),
-                    "step": self.step,
-                    "epoch": self.loader.epoch,
-                    **({"ballast": self.ballast()} if self.args.ballast_mb else {}),
-                },
-            )
+            state = {
+                "model": self.model.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "loader": self.loader.state_dict(),
+                "step": self.step,
+                "epoch": self.loader.epoch,
+                **({"ballast": self.ballast()} if self.args.ballast_mb else {}),
+            }
+            began = time.perf_counter()
+            self.checkpointer.save(self.step, state)
+            self.save_s = time.perf_counter() - began
             image = self.checkpointer.last_image
             if self.args.ballast_mb and image is not None and self.steps_this_attempt == 0:
                 header = files.read_header(image.header_path)
@@ -368,9 +370,7 @@ class LedgerTrainer:
             if crash_here and args.crash_point == "unsaved":
                 crash_once(args.ledger_dir, self.step)  # trained, not checkpointed
             if self.checkpointer is not None or self.step % args.checkpoint_every == 0:
-                began = time.perf_counter()
                 self.checkpoint()
-                self.save_s = time.perf_counter() - began
             if crash_here and args.crash_point == "trained":
                 crash_once(args.ledger_dir, self.step)
             if args.sleep_per_step:
