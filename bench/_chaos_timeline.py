@@ -44,7 +44,6 @@ class StepLine:
     step: int
     t: float
     counted: bool = True  # in the final lineage
-    save_s: float = 0.0  # the save after the stream's previous step, as the script timed it
 
 
 @dataclass(frozen=True)
@@ -136,25 +135,6 @@ def account(lines: Sequence[StepLine]) -> Accounting:
         busy=union_length(spans, start, end),
         useful=union_length([s for s in spans if s.counted], start, end),
     )
-
-
-def saves_between(lines: Iterable[StepLine], typical: float, lo: float, hi: float) -> float:
-    """Seconds the saves after the kept steps that began in [lo, hi) kept
-    training waiting: each line tells the save after its stream's previous
-    step, which counts within that step's interval (a save that outlasted it
-    is a stall already); ranks wait for the slowest, so a step's saves cost
-    the longest of its ranks'."""
-    cap = STALL_FACTOR * typical
-    per_step: dict[tuple[int, int], float] = {}
-    for stream in _streams(lines):
-        for before, after in pairwise(stream):
-            if not before.counted or after.save_s <= 0 or not lo <= before.t < hi:
-                continue
-            length = after.t - before.t
-            within = min(after.save_s, typical if length > cap else length)
-            key = (before.attempt, before.step)
-            per_step[key] = max(per_step.get(key, 0.0), within)
-    return sum(per_step.values())
 
 
 def stalled_between(spans: Sequence[Interval], lo: float, hi: float) -> float:

@@ -115,10 +115,7 @@ the master heard of). The two are
 meant to agree within 1 percentage point over the same windows, once time
 is counted alike: a step's line spans the save after it, so the step ledger
 counts checkpoint blocking as step time, where the job's own ledger calls it
-lost (`checkpoint`). The script times each save itself (the next line's
-`save_s`), so the difference is printed both ways: with checkpoint blocking
-lost in both (the step ledger less its saves, the slowest rank's per step)
-and as step time in both (the job's own with its blocking put back). Then, fault by
+lost (`checkpoint`); the difference is printed both ways. Then, fault by
 fault, what each figure lost between the ledger's readings taken just
 before one fault and just before the next, over the same window: where the
 two part.
@@ -190,7 +187,6 @@ from _chaos_timeline import (  # noqa: E402
     StepLine,
     account,
     intervals,
-    saves_between,
     stalled_between,
     union_length,
 )
@@ -589,10 +585,6 @@ class Result:
     # goodput over their windows; None if never read.
     job_ledgers: list[dict[str, Any]] = field(default_factory=list)
     external_in_job_windows: float | None = None
-    # Over those windows, the time the kept steps' saves kept training
-    # waiting, as the training script timed them (the slowest rank's, step
-    # by step): the step ledger's own measure of checkpoint blocking.
-    external_saves_in_job_windows: float | None = None
     # The two figures' lost time between faults, over the same windows.
     stretches: list[Stretch] = field(default_factory=list)
     # The step watchdog's calls (wall clock), from the agents' logs, and
@@ -609,18 +601,21 @@ class Result:
         return productive / window if window > 0 else None
 
     @property
-    def external_less_saves(self) -> float | None:
-        """The external figure over the ledgers' windows with the saves' time
-        taken out, as the training script timed it: checkpoint blocking lost,
-        as the job's own ledger counts it."""
-        same, window = self.external_in_job_windows, self.job_window
-        if same is None or window <= 0:
+    def job_goodput_alike(self) -> float | None:
+        """The job's own figure with its checkpoint blocking as step time, as
+        the step ledger counts it (a step's line spans the save after it, and
+        the optimizer step a save's overlapped copy held)."""
+        window = sum(g["window_seconds"] for g in self.job_ledgers)
+        if window <= 0:
             return None
-        return same - (self.external_saves_in_job_windows or 0.0) / window
-
-    @property
-    def job_window(self) -> float:
-        return float(sum(g["window_seconds"] for g in self.job_ledgers))
+        productive = sum(g["productive_seconds"] for g in self.job_ledgers)
+        blocked = sum(
+            item["seconds"]
+            for g in self.job_ledgers
+            for item in g["badput"]
+            if item["cause"] == "checkpoint"
+        )
+        return float((productive + blocked) / window)
 
     @property
     def goodput(self) -> float:
@@ -660,7 +655,6 @@ class Result:
             "job_goodput": self.job_goodput,
             "job_ledgers": self.job_ledgers,
             "external_goodput_in_job_windows": self.external_in_job_windows,
-            "external_saves_in_job_windows_s": self.external_saves_in_job_windows,
             "hang_calls": self.hang_calls,
             "false_hangs": self.false_hangs,
             "seed": self.settings.seed,
@@ -1063,15 +1057,7 @@ class ChaosRun:
         counted, discarded = final_lineage(entries, restores)
         kept = {(e.attempt, e.rank, e.step) for e in counted}
         lines = [
-            StepLine(
-                e.attempt,
-                e.rank,
-                e.world,
-                e.step,
-                e.t,
-                (e.attempt, e.rank, e.step) in kept,
-                e.save_s,
-            )
+            StepLine(e.attempt, e.rank, e.world, e.step, e.t, (e.attempt, e.rank, e.step) in kept)
             for e in entries
             if e.t is not None
         ]
@@ -1082,14 +1068,13 @@ class ChaosRun:
                 fault.stall_s = stalled_between(spans, fault.t, fault.full_at)
         ledgers = [self.ledgers[opened] for opened in sorted(self.ledgers)]
         kept_spans = [span for span in spans if span.counted]
-        useful_in, window_in, saves_in = 0.0, 0.0, 0.0
+        useful_in, window_in = 0.0, 0.0
         for ledger in ledgers:
             lo = max(ledger["opened_unix_ms"] / 1000, accounting.start)
             hi = min(ledger["as_of_unix_ms"] / 1000, accounting.end)
             if hi > lo:
                 useful_in += union_length(kept_spans, lo, hi)
                 window_in += hi - lo
-                saves_in += saves_between(lines, accounting.typical_step, lo, hi)
         return Result(
             stretches=stretches(self.readings, self.faults, kept_spans),
             settings=s,
@@ -1108,7 +1093,6 @@ class ChaosRun:
             problems=self.problems,
             job_ledgers=ledgers,
             external_in_job_windows=useful_in / window_in if window_in > 0 else None,
-            external_saves_in_job_windows=saves_in if window_in > 0 else None,
             hang_calls=(calls := watchdog_calls(self.job_dir / "logs")),
             false_hangs=unexplained(calls, self.faults),
         )
@@ -1286,22 +1270,18 @@ def say_job_goodput(result: Result) -> None:
     )
     same = result.external_in_job_windows
     beside = f", {same:.3f} over the ledgers' windows" if same is not None else ""
-    say(f"external goodput (the step ledger): {a.goodput:.3f} over {a.window:.1f}s{beside}")
-    if same is None:
-        return
-    # A step's line spans the save after it: the step ledger counts the
-    # time a save blocked as step time, where the job's own calls it lost.
-    # Compared both ways: the step ledger with its script's own timing of
-    # the saves taken out, and the job's own with its blocking put back.
-    own_saves = lost.get("checkpoint", 0.0)
-    saves = result.external_saves_in_job_windows or 0.0
-    without = result.external_less_saves or 0.0
-    alike = own + own_saves / result.job_window
+    differs = ""
+    if same is not None:
+        # A step's line spans the save after it: the step ledger counts the
+        # time a save blocked as step time, where the job's own calls it lost.
+        alike = result.job_goodput_alike or 0.0
+        differs = (
+            f"; the job's own - external: {100 * (own - same):+.1f} pp, "
+            f"{100 * (alike - same):+.1f} pp with its checkpoint blocking as step time "
+            f"({alike:.3f}), as the step ledger counts it"
+        )
     say(
-        f"the job's own - external: {100 * (own - without):+.1f} pp with checkpoint blocking "
-        f"lost in both (external {without:.3f}, less {saves:.1f}s of saves as the script "
-        f"timed them; the job's ledger: {own_saves:.1f}s); {100 * (alike - same):+.1f} pp "
-        f"with it as step time in both (the job's own {alike:.3f})"
+        f"external goodput (the step ledger): {a.goodput:.3f} over {a.window:.1f}s{beside}{differs}"
     )
 
 

@@ -68,8 +68,6 @@ class Entry:
     ids: tuple[int, ...]
     source: str = ""  # file:line, for reports
     t: float | None = field(default=None, compare=False)  # wall-clock time of the line
-    # How long the save after the rank's previous step kept it waiting (0: none, not said).
-    save_s: float = field(default=0.0, compare=False)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "") -> Entry:
@@ -82,7 +80,6 @@ class Entry:
             ids=tuple(int(i) for i in data["ids"]),
             source=source,
             t=float(data["t"]) if "t" in data else None,
-            save_s=float(data.get("save_s", 0.0)),
         )
 
 

@@ -20,11 +20,7 @@ write() and fsynced before the step goes on:
 
 `t` is the wall-clock time (time.time()) at which the line was logged; the
 next line of the same process minus this one is the step's duration (the
-chaos bench, bench/chaos.py, measures stalls and goodput with it). `save_s`
-is how long `Checkpointer.save` after the process's previous step kept it
-waiting, timed here around the call (building the state dict is left out, as
-the Checkpointer cannot see it; 0 for an attempt's first step, and without
-`--in-memory`: a torch.save file reports no blocking to the job's goodput).
+chaos bench, bench/chaos.py, measures stalls and goodput with it).
 
 `round` is DLFLEET_ROUND (0 under plain torchrun), `restart` is
 TORCHELASTIC_RESTART_COUNT, and `attempt` orders the attempts of the job: the
@@ -278,7 +274,6 @@ class LedgerTrainer:
         )
         self.step = 0
         self.steps_this_attempt = 0
-        self.save_s = 0.0  # the last save's blocking, for the next step's line
 
     def ballast(self) -> torch.Tensor:
         """`--ballast-mb` MiB of float32, a function of the step."""
@@ -312,17 +307,17 @@ class LedgerTrainer:
 
     def checkpoint(self) -> None:
         if self.checkpointer is not None:  # every rank, every step: in memory
-            state = {
-                "model": self.model.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "loader": self.loader.state_dict(),
-                "step": self.step,
-                "epoch": self.loader.epoch,
-                **({"ballast": self.ballast()} if self.args.ballast_mb else {}),
-            }
-            began = time.perf_counter()
-            self.checkpointer.save(self.step, state)
-            self.save_s = time.perf_counter() - began
+            self.checkpointer.save(
+                self.step,
+                {
+                    "model": self.model.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "loader": self.loader.state_dict(),
+                    "step": self.step,
+                    "epoch": self.loader.epoch,
+                    **({"ballast": self.ballast()} if self.args.ballast_mb else {}),
+                },
+            )
             image = self.checkpointer.last_image
             if self.args.ballast_mb and image is not None and self.steps_this_attempt == 0:
                 header = files.read_header(image.header_path)
@@ -355,9 +350,7 @@ class LedgerTrainer:
                 "step": self.step,
                 "ids": [int(i) for i in ids],
                 "t": time.time(),
-                "save_s": round(self.save_s, 6),
             }
-            self.save_s = 0.0
             append_line(self.ledger, line)  # before the step's all-reduce: see above
             crash_here = self.step == args.crash_at_step and self.rank == args.crash_rank
             if crash_here and args.crash_point == "logged":
