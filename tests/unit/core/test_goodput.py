@@ -18,12 +18,15 @@ from dlfleet.master.core.goodput import Cause, GoodputLedger
 STEP_MS = 100.0
 
 
-def train(ledger: GoodputLedger, node: str, steps: int, start_ms: int, beats: int) -> int:
+def train(
+    ledger: GoodputLedger, node: str, steps: int, start_ms: int, beats: int, age_ms: float = 0.0
+) -> int:
     """`beats` heartbeats of `node`, a second apart, 10 steps each, from
-    `steps` made at `start_ms`; returns the steps made."""
+    `steps` made at `start_ms`, their counts written `age_ms` before each
+    (0: not said); returns the steps made."""
     for beat in range(1, beats + 1):
         steps += 10
-        ledger.stepped(node, steps, STEP_MS, start_ms + 1000 * beat)
+        ledger.stepped(node, steps, STEP_MS, start_ms + 1000 * beat, None, age_ms)
     return steps
 
 
@@ -443,10 +446,7 @@ def test_training_resumes_when_the_counts_say_their_run_of_steps_began() -> None
     Lost: 5.45 to 6.3 s, not up to the beat that showed no steps."""
     ledger = GoodputLedger()
     ledger.stepped("a", 0, 0.0, 0)
-    steps = 0
-    for beat in range(1, 6):
-        steps += 10
-        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, 100.0)
+    steps = train(ledger, "a", 0, 0, 5, age_ms=100.0)
     ledger.stepped("a", steps + 4, STEP_MS, 5600, None, 150.0)  # the last word
     ledger.interrupted(Cause.RESTART, Cause.RESTART, 5600)
     ledger.round_formed(frozenset({"a"}))
@@ -470,10 +470,7 @@ def test_a_survivor_says_when_training_stopped_once_it_steps_again() -> None:
     Lost: 5.5 to 6.3 s."""
     ledger = GoodputLedger()
     ledger.stepped("a", 0, 0.0, 0)
-    steps = 0
-    for beat in range(1, 6):
-        steps += 10
-        ledger.stepped("a", steps, STEP_MS, 1000 * beat, None, 100.0)
+    steps = train(ledger, "a", 0, 0, 5, age_ms=100.0)
     ledger.interrupted(Cause.RESTART, Cause.RESTART, 5700)
     ledger.round_formed(frozenset({"a", "b"}))
     ledger.stepped("a", 0, 0.0, 6000)  # between attempts: no file
