@@ -575,13 +575,15 @@ class GoodputLedger:
         """The reference counted no steps. While interrupted, with its write
         time: none up to the write, and what came after it is not known yet
         (a stale file, a process about to step); without one (no file: its
-        process is between attempts), nothing: a process that lived through
-        the interruption may yet say when it stopped stepping."""
+        process is between attempts), none since, but nothing is settled: a
+        process that lived through the interruption may yet say when it
+        stopped stepping."""
         if self.phase is None:
             self._counted(now_ms, stepping=False)
-        elif written is not None:
+            return
+        if written is not None:
             self._settle_until(written)
-            self.stepping = False
+        self.stepping = False
 
     def _run_ended(self, now_ms: int, run_ended_ms: float) -> None:
         """While interrupted: a process that lived through the interruption
