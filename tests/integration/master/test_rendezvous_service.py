@@ -515,7 +515,9 @@ def test_a_push_that_comes_after_the_agents_own_join_was_answered_is_not_taken_l
     session = a.session
 
     async def deliver() -> None:
-        session._master_joined(late, session._call)  # type: ignore[arg-type]
+        call = session._call
+        assert call is not None, "the session's stream is down"
+        session._master_joined(late, call)
 
     asyncio.run_coroutine_threadsafe(deliver(), session._io.loop).result(5)
     assert a.join_on_session(31020, spare=31021).round == 3
