@@ -141,6 +141,11 @@ class NodeSampler:
             if rates[0] > 0:
                 step_times.append(1000 / rates[0])
         first = counts[0] if counts else None
+
+        def age(at: float | None) -> float:
+            """How long before the read rank 0's file says `at` was (0: not said)."""
+            return max(0.0, read_at - at) if at else 0.0
+
         metrics = rendezvous_pb2.NodeMetrics(
             cpu_percent=100.0 * max(0.0, used) / elapsed,
             rss_bytes=rss,
@@ -152,13 +157,9 @@ class NodeSampler:
             steps=first.steps if first is not None else 0,
             checkpoint_blocked_s=first.blocked_s if first is not None else 0.0,
             trained_step=(first.trained_step or 0) if first is not None else 0,
-            steps_age_s=max(0.0, read_at - first.at) if first is not None and first.at else 0.0,
-            stepping_age_s=(
-                max(0.0, read_at - first.since) if first is not None and first.since else 0.0
-            ),
-            run_ended_age_s=(
-                max(0.0, read_at - first.ended) if first is not None and first.ended else 0.0
-            ),
+            steps_age_s=age(first.at) if first is not None else 0.0,
+            stepping_age_s=age(first.since) if first is not None else 0.0,
+            run_ended_age_s=age(first.ended) if first is not None else 0.0,
         )
         self._at, self._cpu = now, cpu
         # A rank whose file is missing now (idle) keeps its last counts.
