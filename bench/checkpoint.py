@@ -308,6 +308,8 @@ class Trial:
                 str(self.args.threads),
                 "--throughput-steps",
                 str(self.args.throughput_steps),
+                "--throughput-batch",
+                str(self.args.throughput_batch),
             ],
         )
         try:
@@ -636,10 +638,15 @@ def report_throughput(records: list[dict[str, Any]]) -> dict[str, float]:
     """Steps/s with a checkpoint every step, per mode (the slower rank of each
     trial, median over trials); the ratios to no checkpoint."""
     per_trial: dict[tuple[str, int], float] = {}
+    optimizer_share: list[float] = []  # of the step, with no checkpoint
+    batch = None
     for r in records:
         if r["kind"] == "throughput":
             key = (r["mode"], r["trial"])
             per_trial[key] = max(per_trial.get(key, 0.0), float(r["seconds"]) / r["steps"])
+            batch = r.get("batch", batch)
+            if r["mode"] == "none" and "optimizer_s" in r:
+                optimizer_share.append(float(r["optimizer_s"]) / float(r["seconds"]))
     rates: dict[str, float] = {}
     for mode in ("none", "dlfleet", "dcp_async"):
         seconds = [v for (m, _), v in per_trial.items() if m == mode]
@@ -648,7 +655,15 @@ def report_throughput(records: list[dict[str, Any]]) -> dict[str, float]:
     if "none" not in rates:
         return {}
     say()
-    say("training with a checkpoint after every step (steps/s, median over trials)")
+    say(
+        f"training with a checkpoint after every step (steps/s, median over trials; batch {batch}"
+        + (
+            f": optimizer.step() {statistics.median(optimizer_share):.1%} of a step with no "
+            "checkpoint, forward and backward the rest)"
+            if optimizer_share
+            else ")"
+        )
+    )
     for mode, rate in rates.items():
         say(f"  {mode:10s} {rate:7.3f} steps/s  {rate / rates['none']:.3f} of no checkpoint")
     return {mode: rate / rates["none"] for mode, rate in rates.items()}
@@ -708,7 +723,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--throughput-steps",
         type=int,
         default=None,
-        help="timed steps per mode with a checkpoint every step (10; quick 6; 0: none)",
+        help="timed steps per mode with a checkpoint every step (6; quick 8; 0: none)",
+    )
+    parser.add_argument(
+        "--throughput-batch",
+        type=int,
+        default=512,
+        help="the batch of the throughput phase (512: forward and backward most of the step)",
     )
     args = parser.parse_args(argv)
     if args.trials is None:
@@ -720,7 +741,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.timeout is None:
         args.timeout = 150.0 if args.quick else 400.0
     if args.throughput_steps is None:
-        args.throughput_steps = 6 if args.quick else 10
+        args.throughput_steps = 8 if args.quick else 6
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     known = METHODS + OPTIONAL
     if not args.methods or any(m not in known for m in args.methods):
@@ -731,6 +752,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--trials and --saves must be positive, --warmup not negative")
     if args.threads < 1:
         parser.error("--threads must be positive")
+    if args.throughput_batch < 1:
+        parser.error("--throughput-batch must be positive")
     if args.width < 1 or args.layers < 1 or args.timeout <= 0:
         parser.error("--width, --layers and --timeout must be positive")
     return args
