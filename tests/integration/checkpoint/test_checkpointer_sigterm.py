@@ -47,3 +47,110 @@ def test_a_terminated_process_persists_its_newest_step_first(tmp_path: Path) -> 
     newest = persist.newest_persisted(tmp_path / "disk")
     assert newest is not None and newest[0] == 3
     assert persist.load_persisted_full(newest[1])["step"] == 3
+
+
+RANKED = textwrap.dedent(
+    """
+    import sys, time, torch
+    from dlfleet import Checkpointer
+    ckpt = Checkpointer(persist_every=1000, persist_dir=sys.argv[1])
+    model = torch.nn.Linear(4, 4)
+    for step in range(1, int(sys.argv[2]) + 1):
+        ckpt.save(step, {"model": model.state_dict(), "step": step})
+    print("saved", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_ranks_terminated_a_save_apart_persist_the_newest_step_they_all_hold(
+    tmp_path: Path, ahead: int
+) -> None:
+    """The ranks of a round are stopped one by one: one may have saved the
+    step the other had not reached yet. Each persists the images it holds
+    (its newest and the one before), so the newest step every rank holds is
+    whole on disk, whichever rank is ahead."""
+    disk = tmp_path / "disk"
+    procs = []
+    for rank in (0, 1):
+        last = 3 + (1 if rank == ahead else 0)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANKED, str(disk), str(last)],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        assert proc.stdout is not None
+        while proc.stdout.readline().strip() != "saved":
+            assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    newest = persist.newest_persisted(disk)
+    assert newest is not None and newest[0] == 3, newest
+
+
+BLOCKED = textwrap.dedent(
+    """
+    import sys, time, torch
+    import torch.distributed as dist
+    from dlfleet import Checkpointer
+    rank = int(sys.argv[3])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    ckpt = Checkpointer(persist_every=1000, persist_dir=sys.argv[1])
+    model = torch.nn.Linear(4, 4)
+    for step in range(1, 4):
+        ckpt.save(step, {"model": model.state_dict(), "step": step})
+    dist.barrier()
+    print("saved", flush=True)
+    if rank == 1:
+        dist.all_reduce(torch.ones(1))  # rank 0 never comes: blocked in C
+    time.sleep(60)
+    """
+)
+
+
+def test_a_rank_blocked_in_a_collective_persists_its_part_when_terminated(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 waits in an all_reduce that rank 0 (stopped first) never joins:
+    Python's handler cannot run on its main thread, yet its part is written
+    at once, so rank 0 finishes the step."""
+    disk = tmp_path / "disk"
+    procs = []
+    for rank in (0, 1):
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
+            "MASTER_ADDR": "127.0.0.1",
+        }
+        argv = [sys.executable, "-c", BLOCKED, str(disk), str(tmp_path / "store"), str(rank)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            assert proc.stdout is not None
+            while proc.stdout.readline().strip() != "saved":
+                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        time.sleep(0.5)  # rank 1 into its all_reduce
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        assert procs[0].wait(30) == 128 + signal.SIGTERM
+        newest = persist.newest_persisted(disk)
+        assert newest is not None and newest[0] == 3, newest
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

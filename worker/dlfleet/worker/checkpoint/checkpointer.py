@@ -104,6 +104,7 @@ from dlfleet.worker.checkpoint.ladder import (
 from dlfleet.worker.checkpoint.overlap import StepGuard, deferrable
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
+from dlfleet.worker.checkpoint.term_watch import TermWatch
 
 _log = logging.getLogger("dlfleet.checkpoint")
 
@@ -208,8 +209,11 @@ class Checkpointer:
         for thread in self._threads:
             thread.start()
         self._previous_sigterm: Any = None
-        if persist_every and threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._term_watch: TermWatch | None = None
+        self._term_lock = threading.Lock()
+        self._term_done = False
+        if persist_every:
+            self._watch_sigterm()
 
     # ------------------------------------------------------------------ save
 
@@ -551,31 +555,99 @@ class Checkpointer:
                     )
                 )
 
+    def _watch_sigterm(self) -> None:
+        """Persist on SIGTERM (see `_on_sigterm`): a handler can only be set
+        from the main thread."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._term_watch = TermWatch(self._persist_on_term)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Preempted (the agent stops its workers with SIGTERM, then SIGKILL
         after a grace period): persist the newest image first, if it is not
         on disk yet, then go on as the previous handler would. The newest
         save may still be sealing (its checksums run in the background):
-        wait for it, within the same bound, so its step is the one kept."""
-        with self._acked:
-            self._acked.wait_for(lambda: self._sealing is None, SIGTERM_PERSIST_S)
-        image = self._last_image
-        if image is not None and not self._persisted(image.step):
-            with self._acked:
-                self._acked.wait_for(lambda: self._persisting is None, SIGTERM_PERSIST_S)
-            if not self._persisted(image.step):
-                try:
-                    persist.persist(
-                        LocalImage(image.header_path), self.persist_dir, timeout=SIGTERM_PERSIST_S
-                    )
-                    _log.warning("terminated: persisted step %d first", image.step)
-                except (OSError, CheckpointError) as exc:
-                    _log.error("terminated: step %d could not be persisted: %s", image.step, exc)
+        wait for it, within the same bound, so its step is the one kept.
+
+        The ranks of a round are stopped one by one, so one may have saved
+        a step that another, stopped a moment earlier, never reached (or
+        the reverse). Each rank therefore writes its part of every image it
+        holds of its newest round (its newest and the one before), newest
+        first; rank 0 finishes the newest step whose parts all come.
+
+        This handler runs on the main thread only once it is back in Python:
+        a rank blocked in a collective (its peer stopped first) would never
+        persist. So `TermWatch` persists on a thread as soon as the signal
+        comes; the handler then finds it done (or waits for it) and goes on.
+        """
+        self._persist_on_term()
         previous = self._previous_sigterm
         if callable(previous):
             previous(signum, frame)
             return
         raise SystemExit(128 + signum)
+
+    def _persist_on_term(self) -> None:
+        """`_on_sigterm`'s persist, once, from whichever thread comes first
+        (the other waits for it)."""
+        with self._term_lock:
+            if self._term_done:
+                return
+            self._term_done = True
+            with self._acked:
+                self._acked.wait_for(lambda: self._sealing is None, SIGTERM_PERSIST_S)
+            image = self._last_image
+            if image is not None and not self._persisted(image.step):
+                with self._acked:
+                    self._acked.wait_for(lambda: self._persisting is None, SIGTERM_PERSIST_S)
+                if not self._persisted(image.step):
+                    self._persist_held(image)
+
+    def _persist_held(self, newest: ImageFile) -> None:
+        """`_on_sigterm`'s persist: this rank's part of each image it holds
+        of `newest`'s round, newest first; rank 0 then finishes the newest
+        step whole on disk within SIGTERM_PERSIST_S."""
+        held = self._writer.images() if self._writer is not None else [newest]
+        images = sorted(
+            (i for i in held if i.round == newest.round and i.step <= newest.step),
+            key=lambda i: i.step,
+            reverse=True,
+        )
+        written: list[ImageFile] = []
+        for image in images:
+            if self._persisted(image.step):
+                break  # an older step than one on disk is no use
+            try:
+                persist.write_part(LocalImage(image.header_path), self.persist_dir)
+                written.append(image)
+            except (OSError, CheckpointError) as exc:
+                _log.error("terminated: step %d could not be persisted: %s", image.step, exc)
+        if newest.rank != 0 or not written:
+            if written:
+                _log.warning(
+                    "terminated: wrote this rank's part of step(s) %s",
+                    ", ".join(str(i.step) for i in written),
+                )
+            return
+        folders = {persist.step_folder(self.persist_dir, i.step): i for i in written}
+        try:
+            finished = persist.finish_newest(
+                [(folder, i.world_size, i.round) for folder, i in folders.items()],
+                timeout=SIGTERM_PERSIST_S,
+            )
+        except (OSError, CheckpointError) as exc:
+            _log.error("terminated: no step could be persisted: %s", exc)
+            return
+        if finished is None:
+            steps = ", ".join(str(i.step) for i in written)
+            _log.error(
+                "terminated: step(s) %s could not be persisted: the other ranks' parts did "
+                "not come within %.0fs; the folders stay incomplete and are never loaded",
+                steps,
+                SIGTERM_PERSIST_S,
+            )
+            return
+        _log.warning("terminated: persisted step %d first", folders[finished].step)
 
     def _check_location(self, round_: int) -> None:
         """Once per round, at its first load or save (a node that joins later is
@@ -795,6 +867,9 @@ class Checkpointer:
             thread.join(timeout=PERSIST_TIMEOUT_S + 30.0)
         if self._writer is not None:
             self._writer.close()
+        if self._term_watch is not None:
+            self._term_watch.close()
+            self._term_watch = None
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None

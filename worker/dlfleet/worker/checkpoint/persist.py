@@ -156,13 +156,50 @@ def finish(
         parts = _read_parts(partial, world_size, round)
         missing = _missing(parts, world_size)
         if not missing:
-            break
+            return _finish_parts(folder, parts, world_size)
         if clock() >= deadline:
             raise PersistTimeoutError(
                 f"{folder}: waited {timeout:.0f}s for the parts of ranks {missing} "
                 f"of round {round}; the folder stays incomplete ({partial.name})"
             )
         sleep(poll)
+
+
+def finish_newest(
+    folders: list[tuple[Path, int, int]],
+    *,
+    timeout: float,
+    poll: float = 0.05,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Path | None:
+    """Of `folders` (folder, world size, round; newest step first), finish
+    the newest whose parts all come within `timeout`, and return it (None if
+    none did). An older folder found whole is finished at once, so that a
+    kill while the newer one is waited for loses no more than that."""
+    deadline = clock() + timeout
+    newest: Path | None = None
+    waiting = list(folders)
+    while waiting:
+        for index, (folder, world_size, round) in enumerate(waiting):
+            if not (folder / METADATA).is_file():
+                parts = _read_parts(partial_folder(folder), world_size, round)
+                if _missing(parts, world_size):
+                    continue
+                _finish_parts(folder, parts, world_size)
+            newest = folder
+            del waiting[index:]  # the older ones are not needed any more
+            break
+        if not waiting or clock() >= deadline:
+            return newest
+        sleep(poll)
+    return newest
+
+
+def _finish_parts(folder: Path, parts: dict[int, _Part], world_size: int) -> Path:
+    """Write the manifest and `.metadata` of a `.partial` folder with every
+    rank's part, and give it its final name."""
+    partial = partial_folder(folder)
     headers = [parts[r].header for r in range(world_size)]
     metadata = _metadata(headers, folder)
     sharded = sorted({i.fqn for h in headers for i in h.items if i.kind is ItemKind.SHARD})
