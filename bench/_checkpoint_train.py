@@ -40,7 +40,8 @@ thread, ctypes.memmove) of every tensor of the state into one buffer of the
 same size, best of 3.
 
 Then steps/s with a checkpoint every step (`--throughput-steps` steps per
-mode, after 2 untimed ones, order rotated by trial): no checkpoint, dlfleet's
+mode on batches of `--throughput-batch`, after 2 untimed ones, order rotated
+by trial; the time in `optimizer.step()` recorded too): no checkpoint, dlfleet's
 save every step, dcp.async_save every step (each waiting for the previous
 one's upload, as its documentation asks before the next save).
 

@@ -61,7 +61,12 @@ slots per rank stay allocated for the whole run).
 Per trial also: a plain memcpy of the state (one thread), the copy's limit
 here; and steps/s with a checkpoint after every step — none, dlfleet, and
 dcp.async_save (each waiting for the previous upload) — `--throughput-steps`
-timed steps each.
+timed steps each, on a batch of `--throughput-batch` (512): the saves' batch
+of 4 makes a step almost all `optimizer.step()`, which nothing trains like;
+at 512 forward and backward are ~98% of a step on one CPU thread (printed),
+still far more optimizer per step than an LLM's thousands of tokens per rank.
+Smaller batches show the copy's cost on CPU, where it takes cores from the
+training (`--throughput-batch 128`).
 
 Printed: per trial a line, then the tables (median, min, max over all timed
 saves of all trials), dlfleet's copy beside memcpy, the per-step throughput,
