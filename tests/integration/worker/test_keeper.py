@@ -72,7 +72,17 @@ def nodes(
 ) -> Iterator[tuple[Running, Node, Node]]:
     master = start_master(SETTINGS)
     a, b = Node(master, "a", tmp_path), Node(master, "b", tmp_path)
-    joined: dict[str, int] = {}
+    form_round(master, a, b)
+    yield master, a, b
+    a.close()
+    b.close()
+
+
+def form_round(master: Running, a: Node, b: Node) -> int:
+    """Both nodes join a round (the next one), each copying to the other."""
+    import threading
+
+    rounds: dict[str, int] = {}
 
     def join(node: Node) -> None:
         reply = master.client.join_rendezvous(
@@ -84,32 +94,28 @@ def nodes(
             timeout_s=10,
             keeper_address=node.server.peer_address,
         )
-        joined[node.node_id] = reply.group_rank
-
-    import threading
+        rounds[node.node_id] = reply.round
 
     threads = [threading.Thread(target=join, args=(n,)) for n in (a, b)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(15)
-    assert len(joined) == 2
+    assert len(rounds) == 2 and len(set(rounds.values())) == 1, rounds
     a.keeper.set_peer(b.server.peer_address)
     b.keeper.set_peer(a.server.peer_address)
-    yield master, a, b
-    a.close()
-    b.close()
+    return rounds[a.node_id]
 
 
-def save(node: Node, rank: int, step: int) -> checkpoint_pb2.SavedAck:
+def save(node: Node, rank: int, step: int, round_: int = 1) -> checkpoint_pb2.SavedAck:
     writer = ImageWriter(node.keeper.own_dir, rank)
     state = {"w": torch.full((256, 256), float(step)), "step": step}
-    image = writer.write(step, state, round=1, world_size=2, protect=None)
+    image = writer.write(step, state, round=round_, world_size=2, protect=None)
     writer.close()
     notice = checkpoint_pb2.SavedNotice(
         rank=rank,
         step=step,
-        round=1,
+        round=round_,
         world_size=2,
         path=str(image.header_path),
         bytes=image.nbytes,
@@ -180,7 +186,7 @@ def test_a_save_is_answered_once_every_ranks_image_of_its_step_is_on_two_nodes(
         assert (status.committed_step, status.replicated_step) == (step, step)
 
 
-def saving_both(a: Node, b: Node, step: int) -> float:
+def saving_both(a: Node, b: Node, step: int, round_: int = 1) -> float:
     """Rank 0 on a and rank 1 on b save `step` at once; the slower answer's
     time in seconds."""
     import threading
@@ -189,7 +195,7 @@ def saving_both(a: Node, b: Node, step: int) -> float:
 
     def one(node: Node, rank: int) -> None:
         started = time.monotonic()
-        save(node, rank, step)
+        save(node, rank, step, round_)
         took.append(time.monotonic() - started)
 
     threads = [threading.Thread(target=one, args=(a, 0)), threading.Thread(target=one, args=(b, 1))]
@@ -226,6 +232,31 @@ def test_while_the_master_is_away_saves_do_not_wait_and_commit_once_it_is_back(
     assert max(after) < COMMIT_WAIT_S, f"saves after the master came back took {after}"
     assert back.client.checkpoint_status().committed_step == 8
     assert not a.keeper.master_away and not b.keeper.master_away
+
+
+def test_a_step_saved_again_after_a_restore_is_copied_to_the_peer_again(
+    nodes: tuple[Running, Node, Node],
+) -> None:
+    """Round 1 saved steps 3 and 4; round 2 restores step 3 and saves step 4
+    again. The peer holds round 1's image of step 4, not this one: it is sent
+    too, and the save is answered as fast as any, not after the commit's and
+    the replica's bounds (the peer would never report it)."""
+    master, a, b = nodes
+    for step in (3, 4):
+        saving_both(a, b, step)
+    round_ = form_round(master, a, b)
+    assert round_ == 2
+    took = saving_both(a, b, 4, round_)
+    assert took < COMMIT_WAIT_S, f"the save of step 4 again took {took:.2f}s"
+    status = master.client.checkpoint_status()
+    assert (status.committed_step, status.replicated_step) == (4, 4)
+    copies = [
+        image.header.round
+        for folder in a.keeper.replica_dir.iterdir()
+        for image in files.list_images(folder, 1)
+        if image.header.step == 4
+    ]
+    assert 2 in copies, f"b's round-2 image of step 4 is not on a (rounds held: {copies})"
 
 
 def saved_by_both(a: Node, b: Node, step: int) -> dict[str, int]:

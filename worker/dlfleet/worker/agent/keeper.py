@@ -90,6 +90,7 @@ MASTER_SLOW_S = 0.5
 REPORT_TIMEOUT_S = 2.0  # one attempt of an own report; then it is sent again
 REPORT_RETRY_S = 0.1  # how soon, while the master is away
 _WAIT_SLICE_S = 0.05
+_NONE_SENT = (-1, -1)  # (round, step) sent to a peer: nothing yet
 _OWNER_FILE = "owner"
 _FOLDER = re.compile(r"^dlworker-(\d+)-[0-9a-f]+$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -176,7 +177,10 @@ class ImageKeeper:
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
         self._reports: queue.Queue[_Held | None] = queue.Queue()
         self._replicate = threading.Event()
-        self._replicated: dict[tuple[str, int], int] = {}  # (peer, rank) -> step sent
+        # (peer, rank) -> (round, step) of the newest image sent there. By
+        # round too: after a restore the round's steps repeat those of the
+        # round that failed, whose images the peer got, and must go again.
+        self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
         self._closed = threading.Event()
         self._threads = [
             threading.Thread(target=self._report_loop, name="keeper-report", daemon=True),
@@ -266,7 +270,7 @@ class ImageKeeper:
                     break
                 self._commits.wait(min(left, _WAIT_SLICE_S))
         deadline = time.monotonic() + REPLICA_WAIT_S  # both waits: within the worker's bound
-        self._wait_replicated(header.step, deadline)
+        self._wait_replicated(header.round, header.step, deadline)
         if self.master_away:
             self._wait_whole(header, deadline)
         return checkpoint_pb2.SavedAck(committed_step=self._told(header.round))
@@ -312,7 +316,7 @@ class ImageKeeper:
         with self._lock:
             return self._master_away_locked()
 
-    def _wait_replicated(self, step: int, deadline: float) -> None:
+    def _wait_replicated(self, round_: int, step: int, deadline: float) -> None:
         """Until the master counts `step` replicated, or `deadline`. The
         answers this node hears anyway (its reports, the replicas it receives,
         the acks of those it sends) usually tell; once this node's own copies
@@ -329,7 +333,7 @@ class ImageKeeper:
                     lambda: self._peer is None or self._replicated_step >= step,
                     min(left, REPLICA_POLL_S),
                 )
-                ask = self._replicated_step < step and self._own_copies_out(step)
+                ask = self._replicated_step < step and self._own_copies_out(round_, step)
             if ask and time.monotonic() < deadline:
                 try:  # one quick attempt: the next poll is the retry
                     heard = self._quick.checkpoint_status().replicated_step
@@ -340,13 +344,13 @@ class ImageKeeper:
                     continue
                 self._heard(heard)
 
-    def _own_copies_out(self, step: int) -> bool:
-        """This node's images of `step` (or newer) are all on the peer."""
+    def _own_copies_out(self, round_: int, step: int) -> bool:
+        """This node's images of `round_`'s `step` (or newer) are all on the peer."""
         peer = self._peer
         return peer is not None and all(
-            self._replicated.get((peer, rank), -1) >= step
+            self._replicated.get((peer, rank), _NONE_SENT) >= (round_, step)
             for rank, held in self._own.items()
-            if held.header.step >= step
+            if (held.header.round, held.header.step) >= (round_, step)
         )
 
     def _heard(self, replicated_step: int) -> None:
@@ -505,7 +509,8 @@ class ImageKeeper:
                     held
                     for rank, held in sorted(self._own.items())
                     if peer is not None
-                    and self._replicated.get((peer, rank), -1) < held.header.step
+                    and self._replicated.get((peer, rank), _NONE_SENT)
+                    < (held.header.round, held.header.step)
                 ]
             if peer is None:
                 continue
@@ -514,7 +519,10 @@ class ImageKeeper:
                 if ack is None:
                     continue
                 with self._commits:
-                    self._replicated[(peer, held.header.rank)] = held.header.step
+                    self._replicated[(peer, held.header.rank)] = (
+                        held.header.round,
+                        held.header.step,
+                    )
                     self._commits.notify_all()
                 if ack.replicated_step >= 0:
                     self._heard(ack.replicated_step)
