@@ -237,13 +237,15 @@ def test_while_the_master_is_away_saves_do_not_wait_and_commit_once_it_is_back(
 def test_a_step_saved_again_after_a_restore_is_copied_to_the_peer_again(
     nodes: tuple[Running, Node, Node],
 ) -> None:
-    """Round 1 saved steps 3 and 4; round 2 restores step 3 and saves step 4
-    again. The peer holds round 1's image of step 4, not this one: it is sent
-    too, and the save is answered as fast as any, not after the commit's and
-    the replica's bounds (the peer would never report it)."""
+    """Round 1 committed step 3; b also saved step 4 (copied to a), which a
+    never saved: a's worker had died. Round 2 restores step 3 and saves step
+    4 again. a holds round 1's image of b's step 4, not this one: it is sent
+    too, so a hears of the commit and the copy, and the save is answered as
+    fast as any, not after the commit's and the replica's bounds."""
     master, a, b = nodes
-    for step in (3, 4):
-        saving_both(a, b, step)
+    saving_both(a, b, 3)
+    save(b, 1, 4)
+    wait_for(lambda: a.keeper.find(4, 1) is not None, "b's round-1 step 4 on a")
     round_ = form_round(master, a, b)
     assert round_ == 2
     took = saving_both(a, b, 4, round_)
