@@ -82,6 +82,7 @@ PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header includ
 REPLICA_SLOTS = 2
 COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
 REPLICA_WAIT_S = 1.0  # and then for every rank's copy on a second node
+SLOW_ANSWER_S = 0.5  # a save's answer slower than this is logged, with why
 REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
 RECONCILE_WAIT_S = 2.0  # how long a new round waits for the master to hear this node's images
 # A master that has not answered a report for this long is taken as away (it
@@ -262,18 +263,48 @@ class ImageKeeper:
         # image of the step instead (see the module's docstring): losing a
         # node in that window too then loses no step the workers were told
         # is committed.
-        deadline = time.monotonic() + COMMIT_WAIT_S
+        started = time.monotonic()
+        deadline = started + COMMIT_WAIT_S
         with self._commits:
             while self._committed < header.step and not self._master_away_locked():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._commits.wait(min(left, _WAIT_SLICE_S))
-        deadline = time.monotonic() + REPLICA_WAIT_S  # both waits: within the worker's bound
+        committed_at = time.monotonic()
+        deadline = committed_at + REPLICA_WAIT_S  # both waits: within the worker's bound
         self._wait_replicated(header.round, header.step, deadline)
         if self.master_away:
             self._wait_whole(header, deadline)
-        return checkpoint_pb2.SavedAck(committed_step=self._told(header.round))
+        answer = checkpoint_pb2.SavedAck(committed_step=self._told(header.round))
+        if time.monotonic() - started > SLOW_ANSWER_S:
+            self._say_slow(header, started, committed_at, answer.committed_step)
+        return answer
+
+    def _say_slow(
+        self, header: files.ImageHeader, started: float, committed_at: float, told: int
+    ) -> None:
+        """A save's answer took long (its worker's next save waits for it):
+        what it waited for, and what this node had heard by then."""
+        with self._lock:
+            replicated, away, peer = self._replicated_step, self._master_away, self._peer
+            sent = {rank: self._replicated.get((peer or "", rank)) for rank in self._own}
+        _log.warning(
+            "the save of step %d (round %d, rank %d) was answered after %.2fs: %.2fs waiting "
+            "for its commit (told committed %d), %.2fs for its copy on the peer (the master "
+            "counts step %d replicated; sent to %s as (round, step): %s)%s",
+            header.step,
+            header.round,
+            header.rank,
+            time.monotonic() - started,
+            committed_at - started,
+            told,
+            time.monotonic() - committed_at,
+            replicated,
+            peer,
+            sent,
+            "; the master is away" if away else "",
+        )
 
     def _told(self, round_: int) -> int:
         """The committed step a save of `round_` is answered: the master's
