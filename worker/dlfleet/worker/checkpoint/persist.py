@@ -148,21 +148,17 @@ def finish(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Path:
     """Wait for the parts of ranks 0..world_size-1 of `round`, then write `.metadata`."""
-    deadline = clock() + timeout
-    partial = partial_folder(folder)
-    while True:
-        if (folder / METADATA).is_file():
-            return folder  # finished already: a complete folder is never rewritten
-        parts = _read_parts(partial, world_size, round)
-        missing = _missing(parts, world_size)
-        if not missing:
-            return _finish_parts(folder, parts, world_size)
-        if clock() >= deadline:
-            raise PersistTimeoutError(
-                f"{folder}: waited {timeout:.0f}s for the parts of ranks {missing} "
-                f"of round {round}; the folder stays incomplete ({partial.name})"
-            )
-        sleep(poll)
+    done = finish_newest(
+        [(folder, world_size, round)], timeout=timeout, poll=poll, clock=clock, sleep=sleep
+    )
+    if done is None:
+        partial = partial_folder(folder)
+        missing = _missing(_read_parts(partial, world_size, round), world_size)
+        raise PersistTimeoutError(
+            f"{folder}: waited {timeout:.0f}s for the parts of ranks {missing} "
+            f"of round {round}; the folder stays incomplete ({partial.name})"
+        )
+    return done
 
 
 def finish_newest(
