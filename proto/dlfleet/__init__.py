@@ -27,6 +27,7 @@ _LAZY_EXPORTS = {
     "FixedRecords": "dlfleet.worker.loader.files",
     "FunctionReader": "dlfleet.worker.loader.files",
     "write_jsonl_shards": "dlfleet.worker.loader.files",
+    "zero_weight": "dlfleet.worker.loader.padding",
 }
 # name -> module that *is* it (`from dlfleet import elastic`).
 _LAZY_MODULES = {
@@ -44,6 +45,7 @@ __all__ = [
     "WebDatasetSamples",
     "elastic",
     "write_jsonl_shards",
+    "zero_weight",
 ]
 
 

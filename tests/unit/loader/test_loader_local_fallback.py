@@ -85,3 +85,53 @@ def test_breaking_out_and_iterating_again_resumes_the_epoch() -> None:
             break
     seen += flat(list(loader))
     assert sorted(seen) == list(range(20))
+
+
+@pytest.mark.filterwarnings("ignore:ShardedDataLoader")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pad_empty_gives_a_rank_without_records_one_of_another_ranks_marked_padding(
+    num_workers: int,
+) -> None:
+    # An epoch of 2 records and 3 ranks (as a round that resumes an epoch
+    # with 2 records left): one rank has none of the one global batch.
+    world = 3
+    loaders = [
+        ShardedDataLoader(
+            Records(2),
+            1,
+            pad_empty=True,
+            num_workers=num_workers,
+            environment=local(r, world),
+        )
+        for r in range(world)
+    ]
+    seen: list[list[tuple[list[int], bool]]] = []
+    for loader in loaders:
+        seen.append([(flat([batch]), loader.padding) for batch in loader])
+    assert [len(s) for s in seen] == [1, 1, 1]  # lockstep kept
+    trained = [x for s in seen for batch, padding in s if not padding for x in batch]
+    assert sorted(trained) == list(range(2))  # each record once, padding aside
+    padded = [(r, batch) for r, s in enumerate(seen) for batch, padding in s if padding]
+    assert len(padded) == 1
+    rank, batch = padded[0]
+    assert len(batch) == 1
+    # the stand-in is a record that another rank trains in the same step
+    others = [x for r in range(world) if r != rank for x in seen[r][0][0]]
+    assert batch[0] in others
+
+
+@pytest.mark.filterwarnings("ignore:ShardedDataLoader")
+def test_without_pad_empty_a_rank_without_records_gets_an_empty_list() -> None:
+    loader = ShardedDataLoader(Records(2), 1, environment=local(0, 3))
+    batches = [(batch, loader.padding) for batch in loader]
+    assert batches == [([], False)]
+
+
+def test_zero_weight_keeps_the_loss_and_sends_no_gradient() -> None:
+    from dlfleet import zero_weight
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    loss = zero_weight((weight * 2.0).sum())
+    assert loss.item() == 6.0
+    loss.backward()
+    assert weight.grad is not None and weight.grad.abs().sum().item() == 0.0

@@ -41,10 +41,23 @@ Invariants:
   process whose gRPC threads are live is unsafe. The dataset must pickle.
 - The constructor does no I/O; the master is first contacted on the first
   iteration, `state_dict` or `load_state_dict`.
+
+Empty batches: a rank gets no records of a global batch only when its round
+received fewer positions of an epoch than there are ranks (see slicing.py).
+By default such a rank gets an empty list, and the script must still take
+part in the step's collectives. Training frameworks (Hugging Face `Trainer`,
+Lightning) cannot step on an empty list: with `pad_empty=True` such a rank
+gets a *padding* batch instead, one record that another rank trains in the
+same step, collated as usual, and `loader.padding` is True until the next
+batch. The step must then weight it zero (`dlfleet.zero_weight(loss)`, which
+the framework integrations call): its gradient is zero, so the step's
+gradient comes from the other ranks' records alone, and the record is trained
+once. The padding record is no part of this rank's progress or of a snapshot.
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,6 +112,7 @@ class ShardedDataLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        pad_empty: bool = False,
         **dataloader_kwargs: Any,
     ) -> None:
         if batch_size < 1:
@@ -137,6 +151,12 @@ class ShardedDataLoader:
         self.stream: EpochStream
         if self.mode is LoaderMode.LOCAL:
             self.stream = LocalStream(self._epoch_length, epochs, self.global_batch, world)
+        self.pad_empty = pad_empty
+        # Whether each batch the sampler handed the DataLoader (and the loop
+        # has not received yet) is padding, in the order the DataLoader
+        # yields them (it keeps the sampler's order, with workers too).
+        self._padding_ahead: collections.deque[bool] = collections.deque()
+        self.padding = False  # the batch last yielded is padding (pad_empty)
         self._sampler = _StreamBatchSampler(self)
         if num_workers > 0 and self.mode is not LoaderMode.LOCAL:
             # The lease thread and gRPC's threads run while the DataLoader
@@ -162,8 +182,10 @@ class ShardedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         stream = self._start()
         stream.begin_iteration()
+        self.padding = False
         if stream.dataset_ended:
             return
+        self._padding_ahead.clear()
         inner = iter(self._loader)
         try:
             while True:
@@ -174,6 +196,7 @@ class ShardedDataLoader:
                 except StopIteration:
                     break
                 stream.received()
+                self.padding = bool(self._padding_ahead) and self._padding_ahead.popleft()
                 progress.step(self.batch_size)  # the agent's watchdog and node metrics
                 elastic.check()  # the agent ended the round: leave between steps
                 yield batch
@@ -252,14 +275,30 @@ class ShardedDataLoader:
 
     # ----------------------------------------------------------- internals
 
-    def rank_slice(self, batch: GlobalBatch) -> list[int]:
+    def rank_batch(self, batch: GlobalBatch) -> list[int]:
+        """The indices this rank's DataLoader fetches for `batch`: its slice,
+        or (`pad_empty`, an empty slice) one record of another rank's."""
+        indices = self.rank_slice(batch)
+        padding = not indices and self.pad_empty
+        if padding:
+            indices = next(
+                found[:1]
+                for found in (self.rank_slice(batch, r) for r in range(self._world))
+                if found
+            )
+        self._padding_ahead.append(padding)
+        return indices
+
+    def rank_slice(self, batch: GlobalBatch, rank: int | None = None) -> list[int]:
+        """The record indices of `rank`'s slice of `batch` (this rank's by default)."""
+        rank = self._rank if rank is None else rank
         order, read_order = self._indexer(batch.epoch)
         if read_order is None:
-            return order.ranges(batch.rank_ranges(self._rank, self._world))
+            return order.ranges(batch.rank_ranges(rank, self._world))
         # Split by block: this rank's run of the batch's records in read
         # order, then shuffled, so that its batch is not sorted by block.
         records = read_order.in_read_order(batch.runs())
-        lo, hi = rank_bounds(len(records), self._rank, self._world)
+        lo, hi = rank_bounds(len(records), rank, self._world)
         key = share_key(self.seed, batch.epoch, self._round, batch.first)
         return shuffle_share(records[lo:hi], key)
 
@@ -352,7 +391,7 @@ class _StreamBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self._loader.stream.batches():
-            yield self._loader.rank_slice(batch)
+            yield self._loader.rank_batch(batch)
 
     def __len__(self) -> int:
         return len(self._loader)
