@@ -22,6 +22,8 @@ COMPONENT_DIRS = {
     "dlfleet": "proto/dlfleet",
     "dlfleet.master": "master/dlfleet/master",
     "dlfleet.worker": "worker/dlfleet/worker",
+    # Adapters for training frameworks; they run in the training processes.
+    "dlfleet.integrations": "worker/dlfleet/integrations",
     "dlfleet.brain": "brain/dlfleet/brain",
 }
 

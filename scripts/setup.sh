@@ -30,8 +30,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$fingerprint" ] \
     && .venv/bin/python -c 'import dlfleet.master, dlfleet.worker, dlfleet.brain' 2>/dev/null; then
   echo "setup: dlfleet is installed and unchanged (delete $stamp to reinstall)"
 else
-  echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker, stream and dev extras"
-  pip_install -e ".[master,postgres,mysql,kubernetes,worker,stream,dev]"
+  echo "setup: installing dlfleet (editable) with master, postgres, mysql, kubernetes, worker, stream," \
+    "frameworks and dev extras"
+  pip_install -e ".[master,postgres,mysql,kubernetes,worker,stream,frameworks,dev]"
   echo "$fingerprint" >"$stamp"
 fi
 

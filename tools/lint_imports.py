@@ -1,6 +1,6 @@
 """Run import-linter over the whole `dlfleet` namespace.
 
-`dlfleet` is spread over four folders (SPEC section 1) and grimp only walks one
+`dlfleet` is spread over the component folders (SPEC section 1) and grimp only walks one
 package directory, so this builds a merged view of the namespace out of
 symlinks in a temporary folder, puts it first on PYTHONPATH, and runs
 `lint-imports` with the contracts in pyproject.toml.
@@ -21,6 +21,7 @@ PARTS = {
     "master": ROOT / "master/dlfleet/master",
     "worker": ROOT / "worker/dlfleet/worker",
     "brain": ROOT / "brain/dlfleet/brain",
+    "integrations": ROOT / "worker/dlfleet/integrations",
 }
 
 
