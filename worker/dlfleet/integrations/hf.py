@@ -1,0 +1,348 @@
+"""Hugging Face `Trainer` on dlfleet: exactly-once data and a checkpoint in
+memory every step, by changing one line.
+
+    from dlfleet.integrations.hf import DLFleetTrainer
+
+    trainer = DLFleetTrainer(model=model, args=args, train_dataset=dataset,
+                             data_collator=collator)          # was: Trainer(...)
+    trainer.train()
+
+What changes under the subclass:
+- The train dataloader is a `ShardedDataLoader` (sync mode: the round leases
+  the dataset's shards; each rank takes its slice of every global batch). It
+  is not given to `accelerator.prepare`, which would split its batches a
+  second time, and HF's data skipping on resume is off: the loader's own
+  state says which records the model has seen. Its epochs are the run's
+  (`num_train_epochs`, or the epochs `max_steps` takes at the first round's
+  world size), registered once for the job.
+- Every optimizer step is checkpointed through `dlfleet.Checkpointer` (model,
+  optimizer, scheduler, grad scaler, the random generators, HF's
+  `TrainerState` and the loader), the parameters and optimizer state copied
+  while the next step's forward and backward run. `train()` first restores
+  the newest step every rank saved: from this node's memory, a peer node's
+  replica, or disk. HF's counters (global step, epoch, logged loss since the
+  restore, `train_loss` of this call) continue from there as after HF's own
+  resume.
+- HF's own `save_steps` folders keep working, and carry the loader's state
+  (`dlfleet_loader.pt`): `train(resume_from_checkpoint=...)` from one of them
+  resumes the data exactly too, when dlfleet holds no newer step.
+- A rank that gets no records in the last step of a resumed epoch trains a
+  padding batch (a record another rank trains in that step) with a zero
+  gradient, as the loader's `pad_empty` describes.
+
+Under dlworker a failed worker group is restarted by the agent, and the new
+processes restore from memory. Under plain torchrun (no master) the loader
+slices by rank with a warning and only persisted steps can be restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from dlfleet.worker.checkpoint.checkpointer import Checkpointer, Restored
+from dlfleet.worker.loader import ShardedDataLoader
+from dlfleet.worker.loader.padding import zero_weight
+
+from .common import epochs_for_steps, rng_state, set_rng_state
+
+LOADER_FILE = "dlfleet_loader.pt"  # the loader's state in HF's checkpoint folders
+
+
+class PaddingBatch(dict[str, Any]):
+    """A batch that holds no record of this rank (see the loader's
+    `pad_empty`): its loss gets a zero gradient. HF keeps a batch's type
+    when it moves it to the device, so the mark reaches `compute_loss`."""
+
+
+class TrainBatches:
+    """The loader as HF's train dataloader: its batches, padding marked."""
+
+    def __init__(self, loader: ShardedDataLoader) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            if not self.loader.padding:
+                yield batch
+            elif isinstance(batch, Mapping):
+                yield PaddingBatch(batch)
+            else:
+                raise TypeError(
+                    "DLFleetTrainer needs batches that are mappings (a data collator's dict); "
+                    f"got {type(batch).__name__}"
+                )
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        del epoch  # the master decides the data's epochs
+
+
+class DLFleetTrainer(Trainer):
+    """`transformers.Trainer` whose data comes from dlfleet's master and whose
+    every step is checkpointed in memory (see the module's docstring).
+
+    Extra keyword arguments: `persist_every` (steps between the persisted
+    copies of dlfleet's checkpoint, in torch.distributed.checkpoint format
+    under `persist_dir`, default `$DLFLEET_WORKDIR/checkpoints`; 0: never,
+    HF's own folders still are written), and `dataset_name` (the dataset's
+    name in the job: the default names it by its class)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        persist_every: int = 0,
+        persist_dir: str | Path | None = None,
+        dataset_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        # The loader resumes itself; skipping batches would skip them twice.
+        self.args.ignore_data_skip = True
+        self.persist_every = persist_every
+        self.persist_dir = persist_dir
+        self.dataset_name = dataset_name
+        self.checkpointer: Checkpointer | None = None
+        self.loader: ShardedDataLoader | None = None
+        self.restored: Restored | None = None
+        self._resume_folder: str | None = None
+        self._epoch_offset = (0, 0.0)  # (epoch restored into, fraction of it done then)
+        self.add_callback(_SaveEveryStep(self))
+
+    # ---------------------------------------------------------------- train
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        with Checkpointer(persist_every=self.persist_every, persist_dir=self.persist_dir) as ckpt:
+            self.checkpointer = ckpt
+            self.restored = ckpt.load()
+            if self.restored is not None:
+                resume_from_checkpoint = None  # dlfleet's step is the newest
+            elif resume_from_checkpoint is True:
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
+                if resume_from_checkpoint is None:
+                    raise ValueError(f"no checkpoint found in {self.args.output_dir}")
+            self._resume_folder = (
+                resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+            )
+            try:
+                return super().train(
+                    resume_from_checkpoint=resume_from_checkpoint,
+                    trial=trial,
+                    ignore_keys_for_eval=ignore_keys_for_eval,
+                    **kwargs,
+                )
+            finally:
+                if self.loader is not None:
+                    self.loader.close()
+                    self.loader = None
+                self.checkpointer = None
+
+    def get_train_dataloader(self) -> Any:
+        if self.train_dataset is None:
+            raise ValueError("DLFleetTrainer: training requires a train_dataset")
+        if self.loader is not None:
+            self.loader.close()
+        dataset: Any = self.train_dataset
+        collator = self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        args = self.args
+        records = len(dataset)
+        if args.max_steps > 0:
+            epochs = epochs_for_steps(
+                args.max_steps,
+                records,
+                self._train_batch_size,
+                args.world_size,
+                args.gradient_accumulation_steps,
+            )
+        else:
+            epochs = max(int(-(-args.num_train_epochs // 1)), 1)
+        loader = ShardedDataLoader(
+            dataset,
+            self._train_batch_size,
+            shuffle=True,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            epochs=epochs,
+            drop_last=args.dataloader_drop_last,
+            name=self.dataset_name,
+            num_workers=args.dataloader_num_workers,
+            collate_fn=collator,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers
+            and args.dataloader_num_workers > 0,
+            pad_empty=True,
+        )
+        if self.restored is not None:
+            loader.load_state_dict(self.restored.state["loader"])
+        elif self._resume_folder is not None:
+            saved = Path(self._resume_folder) / LOADER_FILE
+            if saved.exists():
+                loader.load_state_dict(torch.load(saved, weights_only=False))
+        self.loader = loader
+        return TrainBatches(loader)
+
+    # The two hooks of HF's loop that a restore from dlfleet's checkpoint
+    # fills: the trainer's state (before the epochs are counted), then the
+    # optimizer's, scheduler's and generators' (once they exist).
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
+        if self.restored is None:
+            return epochs_trained, steps_in_epoch
+        max_steps, _, num_train_epochs, _, trial = args
+        state = TrainerState(**json.loads(self.restored.state["trainer_state"]))
+        state.compute_steps(self.args, max_steps)  # type: ignore[no-untyped-call]
+        self.state = state
+        self._load_callback_state()
+        self.state.init_training_references(  # type: ignore[no-untyped-call]
+            self, max_steps, num_train_epochs, trial
+        )
+        # The epoch the loader resumes in, and how much of it was trained.
+        epoch = int(self.restored.state["loader"].get("epoch", int(state.epoch or 0)))
+        self._epoch_offset = (epoch, max(float(state.epoch or 0.0) - epoch, 0.0))
+        return epoch, 0
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+        optimizer = _inner_optimizer(self.optimizer)
+        if self.restored is not None:
+            saved = self.restored.state
+            set_state_dict(
+                self._module(),
+                optimizer,
+                model_state_dict=saved["model"],
+                optim_state_dict=saved["optimizer"],
+            )
+            if self.lr_scheduler is not None and "scheduler" in saved:
+                self.lr_scheduler.load_state_dict(saved["scheduler"])
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None and "scaler" in saved:
+                scaler.load_state_dict(saved["scaler"])
+            set_rng_state(saved["rng"])
+            if self.is_world_process_zero():
+                print(
+                    f"dlfleet: resumed at step {self.restored.step} from {self.restored.source} "
+                    f"(world size {self.args.world_size})",
+                    flush=True,
+                )
+        else:
+            # The starting point as a checkpoint too: a failure before the
+            # first step every rank saved rolls the data back with the model.
+            self.save_dlfleet_checkpoint()
+        return prepared
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if isinstance(inputs, PaddingBatch):
+            zero_weight(result[0] if isinstance(result, tuple) else result)
+        return result
+
+    # ----------------------------------------------------------- checkpoint
+
+    def save_dlfleet_checkpoint(self) -> None:
+        """Checkpoint the step just taken (HF's `global_step`), on every rank."""
+        if self.checkpointer is None or self.loader is None:
+            return
+        optimizer = _inner_optimizer(self.optimizer)
+        model_state, optimizer_state = get_state_dict(self._module(), optimizer)
+        state: dict[str, Any] = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "trainer_state": json.dumps(dataclasses.asdict(self.state)),
+            "rng": rng_state(),
+            "loader": self.loader.state_dict(),
+        }
+        if self.lr_scheduler is not None:
+            state["scheduler"] = self.lr_scheduler.state_dict()
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        self.checkpointer.save(self.state.global_step, state, overlap=(self._module(), optimizer))
+
+    def _module(self) -> nn.Module:
+        if not isinstance(self.model, nn.Module):
+            raise ValueError("DLFleetTrainer: training requires a model")
+        return self.model
+
+    def _fix_epoch(self, state: TrainerState) -> None:
+        """HF counts the resumed epoch's fraction from the restore: add what
+        was trained of it before (the rest of it has as many steps at the new
+        world size as HF's count expects)."""
+        epoch, done = self._epoch_offset
+        if done and state.epoch is not None and state.epoch < epoch + 1:
+            state.epoch = min(state.epoch + done, float(epoch + 1))
+
+
+class _SaveEveryStep(TrainerCallback):
+    def __init__(self, trainer: DLFleetTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.trainer._fix_epoch(state)
+        self.trainer.save_dlfleet_checkpoint()
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """HF wrote its folder: the loader's state goes beside its files."""
+        loader = self.trainer.loader
+        if loader is None:
+            return
+        folder = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
+        if folder.is_dir() and self.trainer.is_world_process_zero():
+            torch.save(loader.state_dict(), folder / LOADER_FILE)
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under Accelerate's wrapper."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"DLFleetTrainer cannot checkpoint an optimizer of {type(inner).__name__}")
+    return inner
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "column_names")
+
+
+__all__ = ["LOADER_FILE", "DLFleetTrainer", "PaddingBatch", "TrainBatches"]
