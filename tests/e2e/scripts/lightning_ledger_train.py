@@ -1,0 +1,155 @@
+"""A PyTorch Lightning job as people write it, with dlfleet's three changed
+lines (the environment, the checkpoint callback, the loader), that logs which
+records each rank trained at every step in the ledger format of
+ledger_train.py (checked by tests/e2e/ledger.py).
+
+    lightning_ledger_train.py --ledger-dir DIR [--size 203] [--batch-size 4]
+        [--epochs 2] [--nodes 2] [--crash-at-step K --crash-rank R]
+        [--sleep-per-step S]
+
+Record i is (features derived from i, a target, i). A step is logged from
+`training_step`, before its backward (and so before the gradient all-reduce),
+as ledger_train.py explains; a padding batch is not logged. Rank 0 appends
+the step every attempt restored (0 for none) to restores.jsonl.
+`--crash-at-step K` SIGKILLs rank R when it is about to train step K, in the
+job's first worker group only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dlfleet import ShardedDataLoader
+from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+
+FEATURES = 8
+
+
+class Records(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(index))
+        return x, x.sum(dim=0, keepdim=True), index
+
+
+def append_line(path: Path, entry: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, cli: argparse.Namespace) -> None:
+        super().__init__()
+        self.cli = cli
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        self.attempt = self.round if self.round > 0 else self.restart
+        self.loader: ShardedDataLoader | None = None
+        self.fleet = DLFleetCheckpoint()
+
+    def identity(self) -> dict[str, int]:
+        return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 0:
+            restored = self.fleet.restored.step if self.fleet.restored is not None else 0
+            append_line(
+                self.cli.ledger_dir / "restores.jsonl",
+                {**self.identity(), "restored_step": restored, "t": time.time()},
+            )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, ids = batch
+        step = self.trainer.global_step + 1
+        rank, world = self.global_rank, self.trainer.world_size
+        if (
+            step == self.cli.crash_at_step
+            and rank == self.cli.crash_rank
+            and self.restart == 0
+            and self.round <= 1
+        ):
+            print(f"lightning_ledger_train: rank {rank} crashing at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        assert self.loader is not None
+        if not self.loader.padding:
+            append_line(
+                self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
+                {
+                    **self.identity(),
+                    "rank": rank,
+                    "world": world,
+                    "epoch": self.loader.epoch,
+                    "step": step,
+                    "ids": [int(i) for i in ids],
+                    "t": time.time(),
+                },
+            )
+        if self.cli.sleep_per_step:
+            time.sleep(self.cli.sleep_per_step)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ledger-dir", type=Path, required=True)
+    parser.add_argument("--size", type=int, default=203)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--crash-rank", type=int, default=0)
+    parser.add_argument("--sleep-per-step", type=float, default=0.0)
+    cli = parser.parse_args()
+    cli.ledger_dir.mkdir(parents=True, exist_ok=True)
+
+    pl.seed_everything(0)
+    model = Regression(cli)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=cli.nodes,
+        strategy="ddp",
+        max_epochs=cli.epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        plugins=[DLFleetEnvironment()],
+        callbacks=[model.fleet],
+    )
+    model.loader = ShardedDataLoader(
+        Records(cli.size), cli.batch_size, epochs=cli.epochs, pad_empty=True
+    )
+    trainer.fit(model, train_dataloaders=model.loader)
+    if trainer.is_global_zero:
+        print(f"lightning_ledger_train: done at step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

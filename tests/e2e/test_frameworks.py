@@ -1,0 +1,163 @@
+"""The trainers people use, under dlfleet through its integrations: a Hugging
+Face `Trainer` (tiny GPT-2 from a config) with `DLFleetTrainer`, and a
+Lightning module with `DLFleetEnvironment` + `DLFleetCheckpoint` and the
+`ShardedDataLoader` (tests/e2e/scripts/{hf,lightning}_ledger_train.py).
+
+Each logs the records every rank trained at every step; tests/e2e/ledger.py
+checks that the model that survived trained every record of every epoch
+exactly once.
+
+- A worker killed mid-epoch: its node's group restarts and both ranks
+  restore the newest step every rank saved, from memory (the step before
+  the kill), not from the framework's own folders.
+- A machine lost (every process of host b killed, tests/netns.py): the
+  survivor on host a trains alone in a world of one, from its own memory;
+  Lightning's environment follows the round instead of refusing a world
+  that is not `devices x num_nodes`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e.ledger import LedgerReport, assert_exactly_once, read_ledger
+from harness import JobProcess
+from netns import NetLab, Output, require_netns, user_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+FRAMEWORKS = {
+    "hf": SCRIPTS / "hf_ledger_train.py",
+    "lightning": SCRIPTS / "lightning_ledger_train.py",
+}
+SIZE = 203  # prime: no world size or batch divides it
+EPOCHS = 2
+TOKEN = secrets.token_hex(16)
+HOSTS = {"m": "10.233.0.1", "a": "10.233.0.2", "b": "10.233.0.3"}
+
+
+class FrameworkJob(JobProcess):
+    def __init__(self, root: Path, framework: str, args: list[str]) -> None:
+        root = root / framework
+        root.mkdir()
+        self.ledger = root / "ledger"
+        super().__init__(
+            root,
+            {
+                "name": f"{framework}-ledger",
+                "command": str(FRAMEWORKS[framework]),
+                "args": ["--ledger-dir", str(self.ledger), "--size", str(SIZE), *args],
+                "nodes": {"min": 1, "max": 2},
+                "display": "plain",
+                "max_restarts": 3,
+                "relaunch_delay_s": 0.5,
+                "rendezvous": {"last_call_timeout_s": 0.5},
+                "heartbeat": {"interval_s": 0.5, "timeout_s": 10},
+                "node_check": {"enabled": False},
+            },
+        )
+
+    def succeed(self) -> str:
+        code, out, err = self.finish(timeout=200)
+        assert code == 0, f"job failed ({code}):\n{err[-4000:]}\n{out[-4000:]}"
+        return out + err
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Iterator[Any]:
+    jobs: list[FrameworkJob] = []
+
+    def make(framework: str, args: list[str]) -> FrameworkJob:
+        job = FrameworkJob(tmp_path, framework, args)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill()
+
+
+def restored_steps(report: LedgerReport) -> list[int]:
+    """The steps the attempts after the first restored."""
+    return [r.restored_step for r in report.restores if r.attempt > report.restores[0].attempt]
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_worker_killed_restores_the_step_before_from_memory_and_trains_every_record_once(
+    make_job: Any, framework: str
+) -> None:
+    job = make_job(framework, ["--crash-at-step", "17", "--crash-rank", "1"]).start()
+    log = job.succeed()
+    report = assert_exactly_once(job.ledger, size=SIZE, epochs=EPOCHS)
+    # Every step was checkpointed: the restart lost only the step being trained.
+    assert restored_steps(report) == [16], report.restores
+    assert "resumed at step 16 from memory" in log, log[-3000:]
+
+
+# ------------------------------------------------------- a machine lost
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[NetLab]:
+    require_netns()
+    net = NetLab(dict(HOSTS)).start()
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+def steps_logged(ledger: Path) -> int:
+    return len(read_ledger(ledger)[0]) if ledger.exists() else 0
+
+
+def wait_steps(ledger: Path, count: int, timeout: float, *outputs: Output) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_logged(ledger) < count:
+        if time.monotonic() > deadline:
+            tails = "\n\n".join(f"{o.name}:\n{o.tail()}" for o in outputs)
+            raise AssertionError(f"fewer than {count} steps logged in {timeout}s\n{tails}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_lost_machine_leaves_its_peer_training_alone_from_memory_exactly_once(
+    lab: NetLab, framework: str
+) -> None:
+    job = lab.shared / secrets.token_hex(4)
+    job.mkdir()
+    ledger = job / "ledger"
+    env = user_env(DLFLEET_TOKEN=TOKEN)
+    bin_dir = Path(sys.executable).parent
+    serve = [
+        str(bin_dir / "dlmaster"), "--host", "0.0.0.0", "--port", "50051",
+        "--min-nodes", "1", "--max-nodes", "2", "--last-call-timeout", "1",
+    ]  # fmt: skip
+    try:
+        master = Output("dlmaster", lab.popen("m", serve, env, cwd=str(job)))
+        master.wait_for(r"listening on", timeout=60)
+        worker = [
+            str(bin_dir / "dlworker"), "--master", "hostm:50051", "--nnodes", "1:2",
+            "--nproc-per-node", "1", "--max-restarts", "3",
+            str(FRAMEWORKS[framework]), "--ledger-dir", str(ledger), "--size", str(SIZE),
+            "--sleep-per-step", "0.1",
+        ]  # fmt: skip
+        nodes = {host: Output(f"node {host}", lab.popen(host, worker, env)) for host in "ab"}
+        wait_steps(ledger, 2 * 12, 150, master, *nodes.values())
+        lab.kill_host("b")
+        assert nodes["a"].wait_exit(180) == 0, nodes["a"].tail(60)
+    finally:
+        lab.kill_processes()
+    report = assert_exactly_once(ledger, size=SIZE, epochs=EPOCHS)
+    worlds = [entry.world for entry in read_ledger(ledger)[0]]
+    assert worlds[0] == 2 and worlds[-1] == 1, sorted(set(worlds))
+    # From host a's own memory: a recent step, not the start.
+    assert min(restored_steps(report)) >= 10, report.restores
+    assert "from memory" in nodes["a"].text(), nodes["a"].tail(60)

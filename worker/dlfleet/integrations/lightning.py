@@ -1,0 +1,173 @@
+"""PyTorch Lightning on dlfleet: a world that follows the round, exactly-once
+data and a checkpoint in memory every step, with three changed lines.
+
+    from dlfleet import ShardedDataLoader
+    from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+
+    trainer = L.Trainer(max_epochs=2, ..., plugins=[DLFleetEnvironment()],
+                        callbacks=[DLFleetCheckpoint()])
+    loader = ShardedDataLoader(dataset, batch_size=32, epochs=2, pad_empty=True)
+    trainer.fit(model, train_dataloaders=loader)             # was: a DataLoader
+
+- `DLFleetEnvironment` is torchelastic's environment (dlworker and torchrun
+  set the same variables) whose number of nodes is the round's: a round that
+  lost a node trains in the smaller world, where Lightning's own environment
+  refuses a world size that is not `devices x num_nodes`.
+- `DLFleetCheckpoint` checkpoints every optimizer step through
+  `dlfleet.Checkpointer`: the checkpoint Lightning itself would write (model,
+  optimizers, schedulers, loops, callbacks, precision, and the loader's
+  position, which Lightning keeps for a loader with a `state_dict`), the
+  parameters and optimizer state copied while the next step's forward and
+  backward run. When training starts it restores the newest step every rank
+  saved (this node's memory, a peer node's replica, or disk) through
+  Lightning's own restore, so its counters, loops and schedulers continue
+  from there. Lightning's own `ModelCheckpoint` files keep working beside it
+  (and hold the loader's position too).
+- A rank with no records in the last step of a resumed epoch trains a
+  padding batch (`pad_empty=True`: a record another rank trains in that
+  step); the callback gives its loss a zero gradient.
+
+Under dlworker a failed worker group is restarted by the agent and the new
+processes restore from memory. Do not also pass `ckpt_path` to `fit`: a
+checkpoint file named there replaces the newer one dlfleet restored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.environments.torchelastic import TorchElasticEnvironment
+from pytorch_lightning.callbacks import Callback
+
+from dlfleet.worker.checkpoint.checkpointer import Checkpointer, Restored
+from dlfleet.worker.loader import ShardedDataLoader
+from dlfleet.worker.loader.padding import zero_weight
+
+STATE_KEY = "lightning"  # the Lightning checkpoint's key in dlfleet's state
+
+
+class DLFleetEnvironment(TorchElasticEnvironment):
+    """torchelastic's variables, with the number of nodes the round decides."""
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Lightning's `num_nodes` is what the job starts with; the round may
+        have fewer (a lost node) or more. Only the devices per node must agree."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", num_devices))
+        if local != num_devices:
+            raise ValueError(
+                f"You set `devices={num_devices}` in Lightning, but this node runs {local} "
+                "processes (dlworker --nproc-per-node): they must agree"
+            )
+        del num_nodes
+
+    def num_nodes(self) -> int:
+        """The round's nodes (GROUP_WORLD_SIZE), else the world over this node's processes."""
+        group = os.environ.get("GROUP_WORLD_SIZE")
+        if group:
+            return int(group)
+        return max(self.world_size() // int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)
+
+
+class DLFleetCheckpoint(Callback):
+    """Every optimizer step checkpointed in memory; the newest restored when
+    `fit` starts (see the module's docstring). `persist_every`: steps between
+    persisted copies in torch.distributed.checkpoint format under
+    `persist_dir` (default `$DLFLEET_WORKDIR/checkpoints`; 0: never)."""
+
+    def __init__(self, *, persist_every: int = 0, persist_dir: str | Path | None = None) -> None:
+        self.persist_every = persist_every
+        self.persist_dir = persist_dir
+        self.checkpointer: Checkpointer | None = None
+        self.restored: Restored | None = None
+        self._last_saved = -1
+
+    # ---------------------------------------------------------------- hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _follow_the_round(trainer)
+        self.checkpointer = Checkpointer(
+            persist_every=self.persist_every, persist_dir=self.persist_dir
+        )
+        self.restored = self.checkpointer.load()
+        if self.restored is not None:
+            # Lightning restores from the checkpoint it loaded (modules and
+            # callbacks next, then optimizers, schedulers, loops and the
+            # loader's position), as from a file named by `ckpt_path`.
+            connector = trainer._checkpoint_connector
+            connector._loaded_checkpoint = self.restored.state[STATE_KEY]
+            self._last_saved = self.restored.step
+            if trainer.is_global_zero:
+                print(
+                    f"dlfleet: resumed at step {self.restored.step} from {self.restored.source} "
+                    f"(world size {trainer.world_size})",
+                    flush=True,
+                )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.restored is None:
+            # The starting point as a checkpoint too: a failure before the
+            # first step every rank saved rolls the data back with the model.
+            self._save(trainer, pl_module)
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if any(loader.padding for loader in _sharded_loaders(trainer)):
+            zero_weight(loss)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.global_step != self._last_saved:  # an optimizer step was taken
+            self._save(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.checkpointer is not None:
+            self.checkpointer.close()  # persists the newest step, when persisting
+            self.checkpointer = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing of its own: the checkpoint restores the rest
+
+    # ------------------------------------------------------------ internals
+
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checkpointer is None:
+            return
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self.checkpointer.save(
+            trainer.global_step,
+            {STATE_KEY: checkpoint},
+            overlap=(pl_module, *trainer.optimizers),
+        )
+        self._last_saved = trainer.global_step
+
+
+def _follow_the_round(trainer: pl.Trainer) -> None:
+    """Lightning keeps the `num_nodes` it was given; the round's count is what
+    its samplers (validation) and world arithmetic must use."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(environment, DLFleetEnvironment) and hasattr(trainer.strategy, "num_nodes"):
+        trainer.strategy.num_nodes = environment.num_nodes()
+
+
+def _sharded_loaders(trainer: pl.Trainer) -> list[ShardedDataLoader]:
+    loaders = trainer.train_dataloader
+    found = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    if isinstance(loaders, dict):
+        found = list(loaders.values())
+    return [loader for loader in found if isinstance(loader, ShardedDataLoader)]
+
+
+__all__ = ["STATE_KEY", "DLFleetCheckpoint", "DLFleetEnvironment"]
