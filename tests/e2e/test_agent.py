@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "allreduce_steps.py"
 LEDGER_SCRIPT = Path(__file__).parent / "scripts" / "ledger_train.py"
+UNRECORDED_SCRIPT = Path(__file__).parent / "scripts" / "unrecorded_failure.py"
 TOKEN = "test-token"
 
 
@@ -77,6 +78,7 @@ def job(
             max_restarts: int = 0,
             env: dict[str, str] | None = None,
             flags: tuple[str, ...] = (),
+            script: Path = SCRIPT,
         ) -> subprocess.Popen[str]:
             argv = [
                 sys.executable, "-m", "dlfleet.worker.agent.loop",
@@ -84,7 +86,7 @@ def job(
                 "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
                 "--master", master.address, "--node-name", name,
                 "--log-dir", str(tmp_path / "logs" / name), *flags,
-                str(SCRIPT), str(out), str(steps), str(pause),
+                str(script), str(out), str(steps), str(pause),
             ]  # fmt: skip
             proc = subprocess.Popen(
                 argv,
@@ -211,6 +213,21 @@ def test_a_rank_that_fails_the_same_way_twice_stops_restarting(job: Callable[...
     assert "restart 1 of 5" in out and "restart 2 of 5" not in out
     assert "diagnosed user_error (rule same-error-again): fail_job" in out
     assert "rank 0 always fails" in out
+
+
+def test_a_script_without_record_that_fails_the_same_way_twice_stops_restarting(
+    job: Callable[..., Any],
+) -> None:
+    """Lightning and HF scripts never use @record, and without --redirects or
+    --tee the agent keeps none of their stderr: the exception is still read
+    (the workers' sitecustomize writes the error file)."""
+    _, agent, _ = job(1, 1)
+    a = agent("a", nproc=2, max_restarts=3, script=UNRECORDED_SCRIPT)
+    code, out = finish(a)
+    assert code == 1
+    assert "restart 1 of 3" in out and "restart 2 of 3" not in out
+    assert "diagnosed user_error (rule same-error-again): fail_job" in out
+    assert "ValueError: Expected input batch_size (8) to match target batch_size (4)." in out
 
 
 def test_a_silent_hang_is_turned_into_a_restart_by_the_step_watchdog(

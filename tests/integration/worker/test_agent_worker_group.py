@@ -307,15 +307,106 @@ def test_tee_writes_the_log_and_echoes_prefixed_lines(tmp_path: Path) -> None:
     assert log.read_text() == "hello from 1\n"
 
 
-def test_a_crash_on_import_reports_the_end_of_its_stderr_log(
+def test_a_worker_that_exits_without_an_exception_reports_the_end_of_its_stderr_log(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    path = script(
+        tmp_path,
+        "import sys\nprint('CUDA driver version is insufficient', file=sys.stderr)\nsys.exit(1)\n",
+    )
+    start(group, config(path, nproc=1, redirects=StreamSpec.parse("2")), tmp_path)
+    failure = until(group, GroupStatus.FAILED).failure
+    assert failure is not None
+    assert failure.message.startswith("exited with code 1; stderr ends with:\n")
+    assert "CUDA driver version is insufficient" in failure.message
+    assert failure.error_file is None
+
+
+def test_an_exception_of_a_script_without_record_is_read_back_from_an_error_file(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    """Lightning and HF scripts never use @record; the workers' sitecustomize
+    writes their error file, with neither --redirects nor --tee."""
+    path = script(
+        tmp_path,
+        """
+        import sys
+        def train_step():
+            raise ValueError("bad shard 17")
+        train_step()
+        """,
+    )
+    envs = start(group, config(path, nproc=1), tmp_path / "logs")
+    failure = until(group, GroupStatus.FAILED).failure
+    assert failure is not None
+    assert failure.exit_code == 1
+    assert failure.message == "ValueError: bad shard 17"
+    assert failure.traceback is not None and "train_step" in failure.traceback
+    assert failure.traceback.rstrip().endswith("ValueError: bad shard 17")
+    assert failure.timestamp is not None and abs(failure.timestamp - time.time()) < 120
+    assert failure.error_file == envs[0]["TORCHELASTIC_ERROR_FILE"]
+
+
+def test_an_import_crash_is_read_back_from_an_error_file(
     group: WorkerGroup, tmp_path: Path
 ) -> None:
     path = script(tmp_path, "import missing_module_for_dlfleet_test\n")
     start(group, config(path, nproc=1, redirects=StreamSpec.parse("2")), tmp_path)
     failure = until(group, GroupStatus.FAILED).failure
     assert failure is not None
-    assert failure.message.startswith("exited with code 1; stderr ends with:\n")
-    assert "ModuleNotFoundError" in failure.message
+    assert failure.message == (
+        "ModuleNotFoundError: No module named 'missing_module_for_dlfleet_test'"
+    )
+    assert "ModuleNotFoundError" in failure.stderr_tail  # the log has it too
+
+
+def test_an_exception_the_script_replaced_the_excepthook_of_is_still_recorded(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    """As rich's tracebacks do: Python keeps the exception it printed."""
+    path = script(
+        tmp_path,
+        """
+        import sys
+        sys.excepthook = lambda kind, value, tb: print("oops:", value, file=sys.stderr)
+        raise KeyError("label")
+        """,
+    )
+    start(group, config(path, nproc=1), tmp_path)
+    failure = until(group, GroupStatus.FAILED).failure
+    assert failure is not None
+    assert failure.message == "KeyError: 'label'"
+
+
+def test_a_failing_subprocess_of_the_script_does_not_speak_for_its_rank(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    path = script(
+        tmp_path,
+        """
+        import subprocess, sys
+        probe = subprocess.run([sys.executable, "-c", "import apex_for_dlfleet_test"])
+        sys.exit(4 if probe.returncode else 0)
+        """,
+    )
+    start(group, config(path, nproc=1), tmp_path)
+    failure = until(group, GroupStatus.FAILED).failure
+    assert failure is not None
+    assert (failure.message, failure.error_file) == ("exited with code 4", None)
+
+
+def test_the_sitecustomize_the_workers_hook_hides_still_runs(
+    group: WorkerGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['SITE_RAN'] = 'yes'\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    path = script(tmp_path, "import os\nraise RuntimeError(os.environ.get('SITE_RAN', 'no'))\n")
+    start(group, config(path, nproc=1), tmp_path)
+    failure = until(group, GroupStatus.FAILED).failure
+    assert failure is not None
+    assert failure.message == "RuntimeError: yes"
 
 
 def test_a_module_runs_with_dash_m(group: WorkerGroup, tmp_path: Path) -> None:

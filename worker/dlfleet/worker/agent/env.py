@@ -1,6 +1,8 @@
 """Each local worker's environment for one rendezvous round: torchrun's
 variables, so that a script written for `torchrun` runs unchanged, plus the
-dlfleet master's address and the round for the ShardedDataLoader.
+dlfleet master's address and the round for the ShardedDataLoader, and a
+PYTHONPATH whose first folder makes every worker's Python record an uncaught
+exception in its error file (`worker_site`).
 
 Invariants (torchrun's rules, `LocalElasticAgent._start_workers`):
 - global RANK = sum of the local world sizes of the lower group ranks + LOCAL_RANK;
@@ -27,6 +29,7 @@ from pathlib import Path
 from dlfleet.api.env import MASTER_ENV, ROUND_ENV
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.worker.agent.config import AgentConfig
+from dlfleet.worker.agent.worker_site import worker_pythonpath
 
 ERROR_FILE_NAME = "error.json"
 
@@ -120,6 +123,8 @@ def worker_environments(
         ),
         MASTER_ENV: master_address,
         ROUND_ENV: str(assignment.round),
+        # Its sitecustomize writes the error file of a script without @record.
+        "PYTHONPATH": worker_pythonpath(agent_environ.get("PYTHONPATH")),
     }
     # torchrun: one thread per process when several share a node, unless the
     # user chose a number.
