@@ -205,3 +205,28 @@ def test_the_jobs_records_done_move_with_training_within_a_run_of_leased_shards(
         assert records_done() == 29 * 4
         list(batches)
     assert records_done() == 400
+
+
+def test_a_state_at_an_epochs_last_batch_resumes_in_the_next_epoch(
+    start_master: Callable[..., Running],
+) -> None:
+    """`resumes_in_epoch` tells a framework which epoch the first records
+    after a restore come from: the state's own mid-epoch, the next one after
+    the epoch's last batch."""
+    running = start_master()
+    states = []
+    first = ShardedDataLoader(Records(12), 3, epochs=2, environment=env(running, round_=1))
+    with first:
+        for step, _ in enumerate(first):
+            if step in (1, 3):  # mid-epoch, and the epoch's last batch
+                states.append(first.state_dict())
+    for round_, (state, epoch) in enumerate(zip(states, [0, 1], strict=True), start=2):
+        again = ShardedDataLoader(Records(12), 3, epochs=2, environment=env(running, round_))
+        with again:
+            assert again.resumes_in_epoch(state) == epoch
+            again.load_state_dict(state)
+            rest = [records(list(again)) for _ in range(3)]
+            # an empty rest may come first (local mode); then epoch 1, whole
+            rest = [r for r in rest if r]
+            assert [len(r) for r in rest] == ([6, 12] if epoch == 0 else [12])
+            assert sorted(rest[-1]) == list(range(12))

@@ -65,7 +65,9 @@ class PaddingBatch(dict[str, Any]):
 
 
 class TrainBatches:
-    """The loader as HF's train dataloader: its batches, padding marked."""
+    """The loader as HF's train dataloader: one epoch an iteration, padding
+    marked. An epoch restored at its very end has an empty rest, which HF
+    would take for the end of training: the next epoch follows at once."""
 
     def __init__(self, loader: ShardedDataLoader) -> None:
         self.loader = loader
@@ -73,16 +75,23 @@ class TrainBatches:
         self.batch_size = loader.batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            if not self.loader.padding:
-                yield batch
-            elif isinstance(batch, Mapping):
-                yield PaddingBatch(batch)
-            else:
-                raise TypeError(
-                    "DLFleetTrainer needs batches that are mappings (a data collator's dict); "
-                    f"got {type(batch).__name__}"
-                )
+        for _ in range(2):  # an empty rest of an epoch, then the next epoch
+            yielded = False
+            for batch in self.loader:
+                yielded = True
+                yield self._marked(batch)
+            if yielded:
+                return
+
+    def _marked(self, batch: Any) -> Any:
+        if not self.loader.padding:
+            return batch
+        if isinstance(batch, Mapping):
+            return PaddingBatch(batch)
+        raise TypeError(
+            "DLFleetTrainer needs batches that are mappings (a data collator's dict); "
+            f"got {type(batch).__name__}"
+        )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -119,6 +128,7 @@ class DLFleetTrainer(Trainer):
         self.loader: ShardedDataLoader | None = None
         self.restored: Restored | None = None
         self._resume_folder: str | None = None
+        self._loader_state: dict[str, Any] | None = None  # the loader's position to resume
         self._epoch_offset = (0, 0.0)  # (epoch restored into, fraction of it done then)
         self.add_callback(_SaveEveryStep(self))
 
@@ -194,12 +204,15 @@ class DLFleetTrainer(Trainer):
             and args.dataloader_num_workers > 0,
             pad_empty=True,
         )
+        self._loader_state = None
         if self.restored is not None:
-            loader.load_state_dict(self.restored.state["loader"])
+            self._loader_state = self.restored.state["loader"]
         elif self._resume_folder is not None:
             saved = Path(self._resume_folder) / LOADER_FILE
             if saved.exists():
-                loader.load_state_dict(torch.load(saved, weights_only=False))
+                self._loader_state = torch.load(saved, weights_only=False)
+        if self._loader_state is not None:
+            loader.load_state_dict(self._loader_state)
         self.loader = loader
         return TrainBatches(loader)
 
@@ -210,6 +223,10 @@ class DLFleetTrainer(Trainer):
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
         if self.restored is None:
+            if self._loader_state is not None and self.loader is not None:
+                # HF's folder: HF counts epochs by the steps of this world size,
+                # the loader knows which epoch its records come from.
+                return self.loader.resumes_in_epoch(self._loader_state), 0
             return epochs_trained, steps_in_epoch
         max_steps, _, num_train_epochs, _, trial = args
         state = TrainerState(**json.loads(self.restored.state["trainer_state"]))
@@ -220,7 +237,8 @@ class DLFleetTrainer(Trainer):
             self, max_steps, num_train_epochs, trial
         )
         # The epoch the loader resumes in, and how much of it was trained.
-        epoch = int(self.restored.state["loader"].get("epoch", int(state.epoch or 0)))
+        assert self.loader is not None
+        epoch = self.loader.resumes_in_epoch(self.restored.state["loader"])
         self._epoch_offset = (epoch, max(float(state.epoch or 0.0) - epoch, 0.0))
         return epoch, 0
 

@@ -254,6 +254,23 @@ class ShardedDataLoader:
             raise InvalidArgument("load_state_dict must be called before iterating the loader")
         self._pending_restore = shards_pb2.DatasetSnapshot.FromString(state["snapshot"])
 
+    def resumes_in_epoch(self, state: dict[str, Any]) -> int:
+        """The epoch whose records come first after `load_state_dict(state)`:
+        the state's own, or the next one when all of the state's epoch was
+        trained (a checkpoint of an epoch's last step; without a master the
+        first iteration then yields the empty rest, under one the next
+        epoch's records). For a framework that numbers its epochs itself."""
+        epoch = int(state.get("epoch", 0))
+        if self.mode is LoaderMode.LOCAL:
+            whole = int(state.get("batches", 0)) >= len(self)
+            return epoch + 1 if whole else epoch
+        snapshot = shards_pb2.DatasetSnapshot.FromString(state["snapshot"])
+        if snapshot.finished:
+            return self.epochs
+        self._leased_stream()  # registered: the epoch's cut is the master's
+        done = sum(r.end - r.start for r in snapshot.done)
+        return epoch + 1 if done >= self._epoch_length else epoch
+
     def close(self) -> None:
         # Persistent DataLoader workers would otherwise live until garbage
         # collection joins them, at an arbitrary point of the program.
