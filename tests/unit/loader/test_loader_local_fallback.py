@@ -135,3 +135,16 @@ def test_zero_weight_keeps_the_loss_and_sends_no_gradient() -> None:
     assert loss.item() == 6.0
     loss.backward()
     assert weight.grad is not None and weight.grad.abs().sum().item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:ShardedDataLoader")
+def test_a_state_after_an_epochs_last_batch_resumes_with_the_next_epoch() -> None:
+    first = ShardedDataLoader(Records(12), 3, epochs=2, environment=local())
+    for step, _ in enumerate(first):
+        if step == 3:  # the epoch's last batch
+            state = first.state_dict()
+    again = ShardedDataLoader(Records(12), 3, epochs=2, environment=local())
+    assert again.resumes_in_epoch(state) == 1
+    again.load_state_dict(state)
+    assert sorted(flat(list(again))) == list(range(12))  # epoch 1 at once, whole
+    assert list(again) == []

@@ -65,9 +65,8 @@ class PaddingBatch(dict[str, Any]):
 
 
 class TrainBatches:
-    """The loader as HF's train dataloader: one epoch an iteration, padding
-    marked. An epoch restored at its very end has an empty rest, which HF
-    would take for the end of training: the next epoch follows at once."""
+    """The loader as HF's train dataloader: one epoch (or its rest) an
+    iteration, padding batches marked."""
 
     def __init__(self, loader: ShardedDataLoader) -> None:
         self.loader = loader
@@ -75,13 +74,8 @@ class TrainBatches:
         self.batch_size = loader.batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        for _ in range(2):  # an empty rest of an epoch, then the next epoch
-            yielded = False
-            for batch in self.loader:
-                yielded = True
-                yield self._marked(batch)
-            if yielded:
-                return
+        for batch in self.loader:
+            yield self._marked(batch)
 
     def _marked(self, batch: Any) -> Any:
         if not self.loader.padding:

@@ -133,14 +133,24 @@ class DLFleetCheckpoint(Callback):
             self._save(trainer, pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.checkpointer is not None:
-            self.checkpointer.close()  # persists the newest step, when persisting
-            self.checkpointer = None
+        if stage == "fit":
+            self._close()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Lightning calls no teardown after an exception: close here."""
+        self._close()
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # nothing of its own: the checkpoint restores the rest
 
     # ------------------------------------------------------------ internals
+
+    def _close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # persists the newest step, when persisting
+            self.checkpointer = None
 
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is None:

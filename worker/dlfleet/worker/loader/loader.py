@@ -257,9 +257,9 @@ class ShardedDataLoader:
     def resumes_in_epoch(self, state: dict[str, Any]) -> int:
         """The epoch whose records come first after `load_state_dict(state)`:
         the state's own, or the next one when all of the state's epoch was
-        trained (a checkpoint of an epoch's last step; without a master the
-        first iteration then yields the empty rest, under one the next
-        epoch's records). For a framework that numbers its epochs itself."""
+        trained (a checkpoint of an epoch's last step: the first iteration
+        then yields the next epoch). For a framework that numbers its epochs
+        itself."""
         epoch = int(state.get("epoch", 0))
         if self.mode is LoaderMode.LOCAL:
             whole = int(state.get("batches", 0)) >= len(self)

@@ -254,6 +254,11 @@ class LocalStream(EpochStream):
             return
         cutter = BatchCutter(self.global_batch, self.world_size, self.epoch)
         batches = [*cutter.push(Segment(0, 0, self.epoch_length)), *cutter.finish()]
+        if skip and skip >= len(batches):
+            # Restored after the epoch's last batch: the next epoch follows at
+            # once, as the master's leases do after such a restore.
+            self._next_epoch()
+            return
         self.ready.extend(batches[skip:])
 
     def _fill(self) -> None:
