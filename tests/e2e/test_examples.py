@@ -57,3 +57,21 @@ def test_the_quickstart_still_runs_under_plain_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: 1 epochs" in done.stdout
     assert "ShardedDataLoader: no dlfleet master (DLFLEET_MASTER is unset)" in done.stderr
+
+
+@pytest.mark.parametrize(("name", "steps"), [("hf", 64), ("lightning", 32)])
+def test_the_framework_examples_run_to_completion(tmp_path: Path, name: str, steps: int) -> None:
+    """examples/hf (DLFleetTrainer) and examples/lightning (the environment,
+    the checkpoint callback, the loader), on a smaller dataset than theirs."""
+    config = yaml.safe_load((EXAMPLES / name / "job.yaml").read_text())
+    config["command"] = str(EXAMPLES / name / config["command"])
+    config["args"] = ["--epochs", "2", "--size", "1024"]
+    config["workdir"] = str(tmp_path / "work")
+    config["display"] = "plain"
+    job = JobProcess(tmp_path, config).start()
+    code, out, err = job.finish(timeout=200)
+    assert code == 0, f"{err[-3000:]}\n{out[-3000:]}"
+    assert f"job {config['name']} succeeded" in out
+    assert re.search(r"done: 2 epochs, final loss [0-9.]+", out), out[-3000:]
+    # 1,024 records, 2 ranks of 16 (hf) or 32 (lightning): the last step checkpointed
+    assert f"checkpoints: step {steps} saved" in out, out[-3000:]
