@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from dlfleet.worker.checkpoint.persist import (
     METADATA,
     SHARDED,
     finish,
+    finish_newest,
     load_persisted,
     load_persisted_full,
     missing_parts,
@@ -33,6 +36,7 @@ from dlfleet.worker.checkpoint.persist import (
     persist,
     prune,
     step_folder,
+    verify_folder,
     write_part,
 )
 from dlfleet.worker.checkpoint.structure import SKELETON_KEY
@@ -128,6 +132,32 @@ def test_missing_parts_names_the_ranks_still_to_write_then_none(tmp_path: Path) 
     assert missing_parts(folder, world_size=2, round=4) == []
     finish(folder, world_size=2, round=4, timeout=0.0)
     assert missing_parts(folder, world_size=2, round=4) == []  # complete
+
+
+def test_two_finishes_of_one_folder_at_once_both_find_it_complete(tmp_path: Path) -> None:
+    """A rank 0's persister and its SIGTERM handler may finish the same step
+    together: neither fails, and the folder is whole."""
+    full = torch.arange(12.0).reshape(4, 3)
+    rank0, rank1 = sharded_images(tmp_path, full, 2)
+    for attempt in range(20):
+        root = tmp_path / f"disk{attempt}"
+        folder = write_part(rank0, root)
+        write_part(rank1, root)
+        together = threading.Barrier(2)
+
+        def finish_it(
+            use_newest: bool, folder: Path = folder, together: threading.Barrier = together
+        ) -> Path | None:
+            together.wait()
+            if use_newest:  # as on SIGTERM
+                return finish_newest([(folder, 2, 4)], timeout=1.0)
+            return finish(folder, world_size=2, round=4, timeout=1.0)
+
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(finish_it, [False, True]))
+        assert done == [folder, folder]
+        verify_folder(folder)
+        assert sorted(p.name for p in root.iterdir()) == [folder.name]  # no .partial left
 
 
 def test_load_persisted_full_asks_for_a_template_when_tensors_are_sharded(tmp_path: Path) -> None:

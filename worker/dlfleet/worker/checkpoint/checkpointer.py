@@ -30,7 +30,8 @@ the node's memory holds one copy of the replicated state instead of n. The
 node's images together (and the peer's replica of them) hold it whole.
 
 Persistence: at the saves of steps that are multiples of `persist_every`
-and at `close()`, a background thread writes the image into `persist_dir/step-<N>/` in the
+and at `close()` (each step once: a due last step is not written again), a
+background thread writes the image into `persist_dir/step-<N>/` in the
 torch.distributed.checkpoint format (readable by `dcp.load`). While a step is
 being persisted its image is the protected one. On SIGTERM (a preemption:
 the agent stops its workers so, then SIGKILLs them after a grace period) the
@@ -117,6 +118,7 @@ SIGTERM_PERSIST_S = 5.0
 _WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
 _CALL_TIMEOUT_S = 10.0
 _TIMES_KEPT = 16  # images whose times image_times() still knows
+_CLAIMS_KEPT = 16  # the newest steps this rank wrote, or handed to its persister
 # Every optimizer of the process waits here for the copy of an overlapped save.
 _GUARD = StepGuard()
 
@@ -186,6 +188,9 @@ class Checkpointer:
         self._last_saved = -1
         self._location_round: int | None = None  # the round whose location check passed
         self._persisting: int | None = None
+        # (round, step) of the images whose part this rank wrote or handed to
+        # its persister (see `_claim`): each is written once.
+        self._claimed: collections.deque[tuple[int, int]] = collections.deque(maxlen=_CLAIMS_KEPT)
         # The newest step rank 0 handed to the finisher: an older one still
         # waiting for parts is superseded by it (the close sentinel is not).
         self._finish_due = -1
@@ -210,8 +215,7 @@ class Checkpointer:
             thread.start()
         self._previous_sigterm: Any = None
         self._term_watch: TermWatch | None = None
-        self._term_lock = threading.Lock()
-        self._term_done = False
+        self._term_lock, self._term_done = threading.Lock(), False
         if persist_every:
             self._watch_sigterm()
 
@@ -313,6 +317,7 @@ class Checkpointer:
                     self._sealing = None
                     self._acked.notify_all()
                 continue
+            persist_due = persist_due and self._claim(image)
             with self._acked:
                 self._last_image = image
                 self._times.append(
@@ -433,6 +438,20 @@ class Checkpointer:
             self._acked.notify_all()
 
     # ----------------------------------------------------------- persist
+
+    def _claim(self, image: ImageFile) -> bool:
+        """Whether this rank is to write its part of `image`'s step now: True
+        once per step of a round, False if it was handed to the persister (or
+        written on SIGTERM) before, whether that write is done or not. Two
+        writes of one step would cross: the second rewrites files while rank 0
+        finishes the folder from the first, or writes into a `.partial`
+        folder that rank 0 has just renamed to its final name."""
+        key = (image.round, image.step)
+        with self._lock:
+            if key in self._claimed:
+                return False
+            self._claimed.append(key)
+            return True
 
     def _persist_loop(self) -> None:
         """Writes this rank's part of each due step (its image is protected
@@ -613,10 +632,13 @@ class Checkpointer:
             key=lambda i: i.step,
             reverse=True,
         )
-        written: list[ImageFile] = []
+        written: list[ImageFile] = []  # this rank's part is written: now, or by the persister
         for image in images:
             if self._persisted(image.step):
                 break  # an older step than one on disk is no use
+            if not self._claim(image):
+                written.append(image)
+                continue
             try:
                 persist.write_part(LocalImage(image.header_path), self.persist_dir)
                 written.append(image)
@@ -857,9 +879,11 @@ class Checkpointer:
         self._seals.put(None)
         if self.persist_every and self._last_image is not None:
             image = self._last_image
-            with self._lock:
-                busy = self._persisting
-            if busy != image.step and not self._persisted(image.step):
+            # A step that was due is persisted (or being persisted) already.
+            if not self._persisted(image.step) and self._claim(image):
+                with self._acked:  # marked as persisting, for a SIGTERM meanwhile to wait for
+                    self._acked.wait_for(lambda: self._persisting is None, PERSIST_TIMEOUT_S)
+                    self._persisting = image.step
                 self._persists.put(image)
         self._notices.put(None)
         self._persists.put(None)

@@ -13,7 +13,9 @@ saving world, writes the manifest (`.dlfleet-manifest`: each data file's size
 and xxh3 checksum) and `.metadata`, fsyncs, and renames the folder to its
 final name. Invariants: a folder under its final name is complete (it has
 `.metadata`), so the newest one is never half written whenever a writer
-died; a `.partial` folder is never loaded.
+died; a `.partial` folder is never loaded; a process finishes one folder at a
+time (its persister and its SIGTERM handler may both finish the same one),
+and a folder found complete, even by another process's finish, is done.
 
 A restore verifies a folder against its manifest before it reads it
 (`verify_folder`): a file truncated or damaged on disk is named, and the
@@ -28,6 +30,7 @@ import math
 import os
 import pickle
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +90,10 @@ MANIFEST = ".dlfleet-manifest"
 MANIFEST_FORMAT = "dlfleet-manifest/1"
 _PREFIX = "step-"
 _PARTIAL = ".partial"
+# One finish at a time in this process: two finishes of one folder would
+# write its manifest and .metadata at once, and one would fail on a folder
+# the other had just renamed (or leave a truncated file in it, if killed).
+_FINISHING = threading.Lock()
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -178,11 +185,8 @@ def finish_newest(
     waiting = list(folders)
     while waiting:
         for index, (folder, world_size, round) in enumerate(waiting):
-            if not (folder / METADATA).is_file():
-                parts = _read_parts(partial_folder(folder), world_size, round)
-                if _missing(parts, world_size):
-                    continue
-                _finish_parts(folder, parts, world_size)
+            if not _finish_if_whole(folder, world_size, round):
+                continue
             newest = folder
             del waiting[index:]  # the older ones are not needed any more
             break
@@ -190,6 +194,24 @@ def finish_newest(
             return newest
         sleep(poll)
     return newest
+
+
+def _finish_if_whole(folder: Path, world_size: int, round: int) -> bool:
+    """Finish `folder` if every rank's part is there; whether it is complete."""
+    with _FINISHING:
+        if (folder / METADATA).is_file():
+            return True
+        parts = _read_parts(partial_folder(folder), world_size, round)
+        if _missing(parts, world_size):
+            return False
+        try:
+            _finish_parts(folder, parts, world_size)
+        except FileNotFoundError:
+            # Another process finished it meanwhile (renamed the .partial folder).
+            if (folder / METADATA).is_file():
+                return True
+            raise
+        return True
 
 
 def _finish_parts(folder: Path, parts: dict[int, _Part], world_size: int) -> Path:
