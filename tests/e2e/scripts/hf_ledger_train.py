@@ -4,6 +4,11 @@ step in the ledger format of ledger_train.py (checked by tests/e2e/ledger.py).
 
     hf_ledger_train.py --ledger-dir DIR [--size 203] [--batch-size 4] [--epochs 2]
         [--crash-at-step K --crash-rank R] [--sleep-per-step S] [--output-dir D]
+        [--stock [--save-steps N]]
+
+`--stock` runs HF's own `Trainer` instead, as a script without dlfleet is
+written (DistributedSampler, HF's folders every `--save-steps` steps, resumed
+from the newest one): the reference of bench/frameworks.py.
 
 The model is a tiny GPT-2 built from a config (nothing is downloaded); record
 i is a sequence of tokens drawn from a generator seeded with i, with `idx`: i.
@@ -12,6 +17,7 @@ A step is logged from `training_step`, before its backward (and so before the
 gradient all-reduce that makes it happen anywhere), as ledger_train.py
 explains; a padding batch (a rank without records) is not logged. Rank 0
 appends the step every attempt restored (0 for none) to restores.jsonl.
+`attempt` is the round under dlfleet, rank 0's start time under torchrun.
 `--crash-at-step K` SIGKILLs rank R when it is about to train step K, in the
 job's first worker group only.
 """
@@ -29,7 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint
 
 from dlfleet.integrations.hf import DLFleetTrainer, PaddingBatch
 
@@ -55,9 +70,22 @@ def append_line(path: Path, entry: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-class LedgerTrainer(DLFleetTrainer):
-    def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+def torchrun_attempt() -> int:
+    """Under torchrun, which restarts a node's workers without counting a
+    restart when the membership changed, the attempt is rank 0's start time
+    (ms), the same on every rank: attempts stay ordered across nodes."""
+    import torch.distributed as dist
+
+    stamp = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(stamp, src=0)
+    return int(stamp.item())
+
+
+class Ledger:
+    """What every rank logs, under either trainer."""
+
+    def __init__(self, cli: argparse.Namespace) -> None:
         self.cli = cli
         self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -66,22 +94,13 @@ class LedgerTrainer(DLFleetTrainer):
     def identity(self) -> dict[str, int]:
         return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
 
-    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
-        prepared = super()._prepare_for_training(*args, **kwargs)
-        if self.args.process_index == 0:
-            restored = self.restored.step if self.restored is not None else 0
-            append_line(
-                self.cli.ledger_dir / "restores.jsonl",
-                {**self.identity(), "restored_step": restored, "t": time.time()},
-            )
-        return prepared
+    def restored(self, step: int) -> None:
+        append_line(
+            self.cli.ledger_dir / "restores.jsonl",
+            {**self.identity(), "restored_step": step, "t": time.time()},
+        )
 
-    def training_step(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
-        ids = inputs.pop("idx")
-        step = self.state.global_step + 1
-        rank, world = self.args.process_index, self.args.world_size
+    def step(self, step: int, rank: int, world: int, epoch: int, ids: torch.Tensor) -> None:
         if (
             step == self.cli.crash_at_step
             and rank == self.cli.crash_rank
@@ -90,23 +109,72 @@ class LedgerTrainer(DLFleetTrainer):
         ):
             print(f"hf_ledger_train: rank {rank} crashing at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if not isinstance(inputs, PaddingBatch):
-            assert self.loader is not None
-            append_line(
-                self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
-                {
-                    **self.identity(),
-                    "rank": rank,
-                    "world": world,
-                    "epoch": self.loader.epoch,
-                    "step": step,
-                    "ids": [int(i) for i in ids],
-                    "t": time.time(),
-                },
-            )
+        append_line(
+            self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
+            {
+                **self.identity(),
+                "rank": rank,
+                "world": world,
+                "epoch": epoch,
+                "step": step,
+                "ids": [int(i) for i in ids],
+                "t": time.time(),
+            },
+        )
         if self.cli.sleep_per_step:
             time.sleep(self.cli.sleep_per_step)
+
+
+class LedgerTrainer(DLFleetTrainer):
+    def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ledger = Ledger(cli)
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        if self.args.process_index == 0:
+            self.ledger.restored(self.restored.step if self.restored is not None else 0)
+        return prepared
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        ids = inputs.pop("idx")
+        if not isinstance(inputs, PaddingBatch):
+            assert self.loader is not None
+            step, rank = self.state.global_step + 1, self.args.process_index
+            self.ledger.step(step, rank, self.args.world_size, self.loader.epoch, ids)
         return super().training_step(model, inputs, num_items_in_batch)
+
+
+class StockTrainer(Trainer):
+    """HF's own Trainer, logging the same ledger."""
+
+    def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ledger = Ledger(cli)
+        self.add_callback(_RestoredStep(self))
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        ids = inputs.pop("idx")
+        step, rank = self.state.global_step + 1, self.args.process_index
+        epoch = int(self.state.epoch or 0)
+        self.ledger.step(step, rank, self.args.world_size, epoch, ids)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class _RestoredStep(TrainerCallback):
+    def __init__(self, trainer: StockTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.trainer.ledger.attempt = torchrun_attempt()
+        if args.process_index == 0:  # HF's resume has set the step by now
+            self.trainer.ledger.restored(state.global_step)
 
 
 def main() -> None:
@@ -120,6 +188,7 @@ def main() -> None:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--save-steps", type=int, default=20)
+    parser.add_argument("--stock", action="store_true", help="HF's own Trainer, no dlfleet")
     cli = parser.parse_args()
     cli.ledger_dir.mkdir(parents=True, exist_ok=True)
 
@@ -141,8 +210,16 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
     )
-    trainer = LedgerTrainer(cli, model=model, args=args, train_dataset=Sequences(cli.size))
-    result = trainer.train()
+    if cli.stock:
+        trainer: Trainer = StockTrainer(
+            cli, model=model, args=args, train_dataset=Sequences(cli.size)
+        )
+        output = str(args.output_dir)
+        last = get_last_checkpoint(output) if Path(output).is_dir() else None  # type: ignore[no-untyped-call]
+        result = trainer.train(resume_from_checkpoint=last)
+    else:
+        trainer = LedgerTrainer(cli, model=model, args=args, train_dataset=Sequences(cli.size))
+        result = trainer.train()
     if args.process_index == 0:
         print(
             f"hf_ledger_train: done at step {result.global_step}, loss {result.training_loss:.4f}"

@@ -5,12 +5,18 @@ ledger_train.py (checked by tests/e2e/ledger.py).
 
     lightning_ledger_train.py --ledger-dir DIR [--size 203] [--batch-size 4]
         [--epochs 2] [--nodes 2] [--crash-at-step K --crash-rank R]
-        [--sleep-per-step S]
+        [--sleep-per-step S] [--stock [--save-every N --checkpoint-dir D]]
+
+`--stock` runs the script as it is written without dlfleet: a DataLoader
+(Lightning adds the DistributedSampler), Lightning's own environment, a
+`ModelCheckpoint` every `--save-every` steps, and `fit(ckpt_path=...)` from
+its last file: the reference of bench/frameworks.py.
 
 Record i is (features derived from i, a target, i). A step is logged from
 `training_step`, before its backward (and so before the gradient all-reduce),
 as ledger_train.py explains; a padding batch is not logged. Rank 0 appends
-the step every attempt restored (0 for none) to restores.jsonl.
+the step every attempt restored (0 for none) to restores.jsonl. `attempt`
+is the round under dlfleet, rank 0's start time under torchrun (`--stock`).
 `--crash-at-step K` SIGKILLs rank R when it is about to train step K, in the
 job's first worker group only.
 """
@@ -27,8 +33,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from dlfleet import ShardedDataLoader
 from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
@@ -55,6 +62,18 @@ def append_line(path: Path, entry: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def torchrun_attempt() -> int:
+    """Under torchrun, which restarts a node's workers without counting a
+    restart when the membership changed, the attempt is rank 0's start time
+    (ms), the same on every rank: attempts stay ordered across nodes."""
+    import torch.distributed as dist
+
+    stamp = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(stamp, src=0)
+    return int(stamp.item())
+
+
 class Regression(pl.LightningModule):
     def __init__(self, cli: argparse.Namespace) -> None:
         super().__init__()
@@ -70,8 +89,12 @@ class Regression(pl.LightningModule):
         return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
 
     def on_train_start(self) -> None:
+        if self.cli.stock:
+            self.attempt = torchrun_attempt()
         if self.global_rank == 0:
             restored = self.fleet.restored.step if self.fleet.restored is not None else 0
+            if self.cli.stock:
+                restored = self.trainer.global_step  # Lightning's restore has set it
             append_line(
                 self.cli.ledger_dir / "restores.jsonl",
                 {**self.identity(), "restored_step": restored, "t": time.time()},
@@ -89,15 +112,16 @@ class Regression(pl.LightningModule):
         ):
             print(f"lightning_ledger_train: rank {rank} crashing at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        assert self.loader is not None
-        if not self.loader.padding:
+        padding = self.loader is not None and self.loader.padding
+        epoch = self.loader.epoch if self.loader is not None else self.current_epoch
+        if not padding:
             append_line(
                 self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
                 {
                     **self.identity(),
                     "rank": rank,
                     "world": world,
-                    "epoch": self.loader.epoch,
+                    "epoch": epoch,
                     "step": step,
                     "ids": [int(i) for i in ids],
                     "t": time.time(),
@@ -125,28 +149,44 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
+    parser.add_argument("--stock", action="store_true", help="Lightning alone, no dlfleet")
+    parser.add_argument("--save-every", type=int, default=20, help="--stock: steps")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
     cli = parser.parse_args()
     cli.ledger_dir.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(0)
     model = Regression(cli)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=cli.nodes,
-        strategy="ddp",
-        max_epochs=cli.epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        plugins=[DLFleetEnvironment()],
-        callbacks=[model.fleet],
-    )
-    model.loader = ShardedDataLoader(
-        Records(cli.size), cli.batch_size, epochs=cli.epochs, pad_empty=True
-    )
-    trainer.fit(model, train_dataloaders=model.loader)
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "num_nodes": cli.nodes,
+        "strategy": "ddp",
+        "max_epochs": cli.epochs,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    if cli.stock:
+        folder = cli.checkpoint_dir or cli.ledger_dir.parent / "lightning-checkpoints"
+        every = ModelCheckpoint(
+            dirpath=folder, every_n_train_steps=cli.save_every, save_top_k=-1, save_last=True
+        )
+        trainer = pl.Trainer(**settings, callbacks=[every])
+        last = folder / "last.ckpt"
+        loader = DataLoader(Records(cli.size), batch_size=cli.batch_size, shuffle=True)
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=last if last.exists() else None)
+    else:
+        trainer = pl.Trainer(
+            **settings,
+            enable_checkpointing=False,
+            plugins=[DLFleetEnvironment()],
+            callbacks=[model.fleet],
+        )
+        model.loader = ShardedDataLoader(
+            Records(cli.size), cli.batch_size, epochs=cli.epochs, pad_empty=True
+        )
+        trainer.fit(model, train_dataloaders=model.loader)
     if trainer.is_global_zero:
         print(f"lightning_ledger_train: done at step {trainer.global_step}", flush=True)
 
