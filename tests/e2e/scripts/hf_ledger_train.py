@@ -25,10 +25,7 @@ job's first worker group only.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +45,10 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from dlfleet.integrations.hf import DLFleetTrainer, PaddingBatch
 
+# tests/ on the path: the ledger lines are shared with the other framework script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from e2e.scripts.step_ledger import Ledger
+
 VOCAB, LENGTH = 64, 8
 
 
@@ -63,72 +64,10 @@ class Sequences(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": tokens, "labels": tokens.clone(), "idx": torch.tensor(index)}
 
 
-def append_line(path: Path, entry: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(entry) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def torchrun_attempt() -> int:
-    """Under torchrun, which restarts a node's workers without counting a
-    restart when the membership changed, the attempt is rank 0's start time
-    (ms), the same on every rank: attempts stay ordered across nodes."""
-    import torch.distributed as dist
-
-    stamp = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(stamp, src=0)
-    return int(stamp.item())
-
-
-class Ledger:
-    """What every rank logs, under either trainer."""
-
-    def __init__(self, cli: argparse.Namespace) -> None:
-        self.cli = cli
-        self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        self.attempt = self.round if self.round > 0 else self.restart
-
-    def identity(self) -> dict[str, int]:
-        return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
-
-    def restored(self, step: int) -> None:
-        append_line(
-            self.cli.ledger_dir / "restores.jsonl",
-            {**self.identity(), "restored_step": step, "t": time.time()},
-        )
-
-    def step(self, step: int, rank: int, world: int, epoch: int, ids: torch.Tensor) -> None:
-        if (
-            step == self.cli.crash_at_step
-            and rank == self.cli.crash_rank
-            and self.restart == 0
-            and self.round <= 1
-        ):
-            print(f"hf_ledger_train: rank {rank} crashing at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        append_line(
-            self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
-            {
-                **self.identity(),
-                "rank": rank,
-                "world": world,
-                "epoch": epoch,
-                "step": step,
-                "ids": [int(i) for i in ids],
-                "t": time.time(),
-            },
-        )
-        if self.cli.sleep_per_step:
-            time.sleep(self.cli.sleep_per_step)
-
-
 class LedgerTrainer(DLFleetTrainer):
     def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.ledger = Ledger(cli)
+        self.ledger = Ledger(cli, "hf_ledger_train")
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._prepare_for_training(*args, **kwargs)
@@ -140,9 +79,10 @@ class LedgerTrainer(DLFleetTrainer):
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> torch.Tensor:
         ids = inputs.pop("idx")
+        step, rank = self.state.global_step + 1, self.args.process_index
+        self.ledger.crash_due(step, rank)
         if not isinstance(inputs, PaddingBatch):
             assert self.loader is not None
-            step, rank = self.state.global_step + 1, self.args.process_index
             self.ledger.step(step, rank, self.args.world_size, self.loader.epoch, ids)
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -152,7 +92,7 @@ class StockTrainer(Trainer):
 
     def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.ledger = Ledger(cli)
+        self.ledger = Ledger(cli, "hf_ledger_train")
         self.add_callback(_RestoredStep(self))
 
     def training_step(
@@ -160,8 +100,8 @@ class StockTrainer(Trainer):
     ) -> torch.Tensor:
         ids = inputs.pop("idx")
         step, rank = self.state.global_step + 1, self.args.process_index
-        epoch = int(self.state.epoch or 0)
-        self.ledger.step(step, rank, self.args.world_size, epoch, ids)
+        self.ledger.crash_due(step, rank)
+        self.ledger.step(step, rank, self.args.world_size, int(self.state.epoch or 0), ids)
         return super().training_step(model, inputs, num_items_in_batch)
 
 
@@ -172,7 +112,7 @@ class _RestoredStep(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self.trainer.ledger.attempt = torchrun_attempt()
+        self.trainer.ledger.stamp_attempt()
         if args.process_index == 0:  # HF's resume has set the step by now
             self.trainer.ledger.restored(state.global_step)
 

@@ -24,10 +24,7 @@ job's first worker group only.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +36,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from dlfleet import ShardedDataLoader
 from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+
+# tests/ on the path: the ledger lines are shared with the other framework script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from e2e.scripts.step_ledger import Ledger
 
 FEATURES = 8
 
@@ -55,80 +56,32 @@ class Records(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return x, x.sum(dim=0, keepdim=True), index
 
 
-def append_line(path: Path, entry: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(entry) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def torchrun_attempt() -> int:
-    """Under torchrun, which restarts a node's workers without counting a
-    restart when the membership changed, the attempt is rank 0's start time
-    (ms), the same on every rank: attempts stay ordered across nodes."""
-    import torch.distributed as dist
-
-    stamp = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(stamp, src=0)
-    return int(stamp.item())
-
-
 class Regression(pl.LightningModule):
     def __init__(self, cli: argparse.Namespace) -> None:
         super().__init__()
         self.cli = cli
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
-        self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        self.attempt = self.round if self.round > 0 else self.restart
+        self.ledger = Ledger(cli, "lightning_ledger_train")
         self.loader: ShardedDataLoader | None = None
         self.fleet = DLFleetCheckpoint()
 
-    def identity(self) -> dict[str, int]:
-        return {"attempt": self.attempt, "round": self.round, "restart": self.restart}
-
     def on_train_start(self) -> None:
         if self.cli.stock:
-            self.attempt = torchrun_attempt()
+            self.ledger.stamp_attempt()
         if self.global_rank == 0:
             restored = self.fleet.restored.step if self.fleet.restored is not None else 0
             if self.cli.stock:
                 restored = self.trainer.global_step  # Lightning's restore has set it
-            append_line(
-                self.cli.ledger_dir / "restores.jsonl",
-                {**self.identity(), "restored_step": restored, "t": time.time()},
-            )
+            self.ledger.restored(restored)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = batch
         step = self.trainer.global_step + 1
         rank, world = self.global_rank, self.trainer.world_size
-        if (
-            step == self.cli.crash_at_step
-            and rank == self.cli.crash_rank
-            and self.restart == 0
-            and self.round <= 1
-        ):
-            print(f"lightning_ledger_train: rank {rank} crashing at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        padding = self.loader is not None and self.loader.padding
-        epoch = self.loader.epoch if self.loader is not None else self.current_epoch
-        if not padding:
-            append_line(
-                self.cli.ledger_dir / f"ledger-a{self.attempt}-r{rank}.jsonl",
-                {
-                    **self.identity(),
-                    "rank": rank,
-                    "world": world,
-                    "epoch": epoch,
-                    "step": step,
-                    "ids": [int(i) for i in ids],
-                    "t": time.time(),
-                },
-            )
-        if self.cli.sleep_per_step:
-            time.sleep(self.cli.sleep_per_step)
+        self.ledger.crash_due(step, rank)
+        if not (self.loader is not None and self.loader.padding):
+            epoch = self.loader.epoch if self.loader is not None else self.current_epoch
+            self.ledger.step(step, rank, world, epoch, ids)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
         return loss
