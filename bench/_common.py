@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -271,6 +272,28 @@ def kill_tagged(
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def trial_env(tag_env: str, tag: str, **extra: str) -> dict[str, str]:
+    """The environment of a trial's processes: this one's without a
+    launcher's variables (torchrun's, a rank's), tagged `tag_env=tag` so that
+    every process of the trial can be found and killed (`kill_tagged`), with
+    a fresh job token, gloo on loopback, one OpenMP thread, unbuffered output,
+    and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(
+        {
+            tag_env: tag,
+            "DLFLEET_TOKEN": secrets.token_hex(16),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
+    )
+    return env
 
 
 def log_tails(root: Path, paths: list[Path], lines: int, width: int = 300) -> list[str]:

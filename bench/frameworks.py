@@ -79,6 +79,7 @@ from _common import (  # noqa: E402
     say,
     spawn_logged,
     tagged_pids,
+    trial_env,
 )
 from e2e.ledger import check, read_ledger  # noqa: E402
 
@@ -119,19 +120,7 @@ class Trial:
         self.dir.mkdir(parents=True)
         self.ledger = self.dir / "ledger"
         self.tag = secrets.token_hex(8)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
-        env.update(
-            {
-                TAG_ENV: self.tag,
-                "DLFLEET_TOKEN": secrets.token_hex(16),
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        self.env = env
+        self.env = trial_env(TAG_ENV, self.tag)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
 

@@ -100,6 +100,7 @@ from _common import (
     listening_port,
     say,
     spawn_logged,
+    trial_env,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,19 +291,7 @@ class TrialRun:
         self.restore_log = self.dir / "restores.log"
         self.step_log = StepLog(self.dir / "steps.log")
         self.tag = secrets.token_hex(8)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
-        env.update(
-            {
-                TAG_ENV: self.tag,
-                "DLFLEET_TOKEN": secrets.token_hex(16),
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        self.env = env
+        self.env = trial_env(TAG_ENV, self.tag)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
 
