@@ -21,12 +21,14 @@ from harness import MasterProcess
 from netns import Output
 
 from dlfleet.api.client import MasterClient
+from dlfleet.worker.checkpoint import persist
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "allreduce_steps.py"
 LEDGER_SCRIPT = Path(__file__).parent / "scripts" / "ledger_train.py"
 UNRECORDED_SCRIPT = Path(__file__).parent / "scripts" / "unrecorded_failure.py"
+KILLED_PEER_SCRIPT = Path(__file__).parent / "scripts" / "killed_peer_steps.py"
 TOKEN = "test-token"
 
 
@@ -228,6 +230,30 @@ def test_a_script_without_record_that_fails_the_same_way_twice_stops_restarting(
     assert "restart 1 of 3" in out and "restart 2 of 3" not in out
     assert "diagnosed user_error (rule same-error-again): fail_job" in out
     assert "ValueError: Expected input batch_size (8) to match target batch_size (4)." in out
+
+
+def test_a_rank_whose_peer_was_killed_persists_and_restarts_without_waiting_for_it(
+    job: Callable[..., Any],
+) -> None:
+    """Rank 1 is SIGKILLed; the agent stops rank 0 with SIGTERM, and rank 0
+    persists the newest step both hold, writing rank 1's part from its image
+    in the node's folder: the restart follows the kill within moments, not
+    after the 5 s rank 0 would wait for a part that never comes."""
+    _, agent, workers = job(1, 1)
+    a = agent("a", nproc=2, max_restarts=1, steps=1000, pause=0.05, script=KILLED_PEER_SCRIPT)
+    code, out = finish(a)
+    assert code == 0, out
+    assert "rank 1 is gone; writing its part of step 5 from its image" in out
+    assert "terminated: persisted step 5 first" in out
+    killed = re.search(r"killed at ([0-9.]+)", out)
+    restart = re.search(r"^(\S+ \S+),(\d+) dlworker WARNING .*; restart 1 of 1$", out, re.M)
+    assert killed is not None and restart is not None, out
+    restarted_at = time.mktime(time.strptime(restart.group(1), "%Y-%m-%d %H:%M:%S"))
+    restarted_at += int(restart.group(2)) / 1000
+    assert restarted_at - float(killed.group(1)) < 3.0, out
+    newest = persist.newest_persisted(workers.out / "disk")
+    assert newest is not None and newest[0] == 5
+    assert persist.load_persisted_full(newest[1])["step"] == 5
 
 
 def test_a_silent_hang_is_turned_into_a_restart_by_the_step_watchdog(

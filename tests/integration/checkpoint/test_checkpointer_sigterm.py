@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dlfleet.api.env import CHECKPOINT_DIR_ENV
 from dlfleet.worker.checkpoint import persist
 
 pytestmark = pytest.mark.integration
@@ -150,6 +151,70 @@ def test_a_rank_blocked_in_a_collective_persists_its_part_when_terminated(
         assert procs[0].wait(30) == 128 + signal.SIGTERM
         newest = persist.newest_persisted(disk)
         assert newest is not None and newest[0] == 3, newest
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+# As under dlworker: the ranks of one node write their images into the node's
+# folder (the agent's, in shared memory), where each can read the others'.
+NODE = textwrap.dedent(
+    """
+    import sys, time, torch
+    from dlfleet import Checkpointer
+    ckpt = Checkpointer(persist_every=1000, persist_dir=sys.argv[1])
+    model = torch.nn.Linear(4, 4)
+    last = int(sys.argv[2])
+    for step in range(1, last + 1):
+        ckpt.save(step, {"model": model.state_dict(), "step": step})
+    while ckpt.image_times(last) is None:  # its image finished (written in the background)
+        time.sleep(0.01)
+    print("saved", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize(("killed_at", "persisted"), [(3, 3), (2, 2)])
+def test_a_rank_whose_peer_was_killed_persists_at_once_from_the_peers_image(
+    tmp_path: Path, killed_at: int, persisted: int
+) -> None:
+    """Rank 1 is SIGKILLed (after step 3, or before it), then rank 0 is
+    terminated: rank 1's part will never come, but its image is in the
+    node's folder. Rank 0 writes that part itself and finishes the newest
+    step both hold, well within the 5 s it would have waited for rank 1."""
+    disk = tmp_path / "disk"
+    procs = []
+    for rank, last in ((0, 3), (1, killed_at)):
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
+            CHECKPOINT_DIR_ENV: str(tmp_path / "node-images"),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        argv = [sys.executable, "-c", NODE, str(disk), str(last)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            assert proc.stdout is not None
+            while proc.stdout.readline().strip() != "saved":
+                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        procs[1].kill()
+        assert procs[1].wait(10) == -signal.SIGKILL
+        terminated = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(30) == 128 + signal.SIGTERM
+        took = time.monotonic() - terminated
+        assert took < 2.5, f"rank 0 took {took:.1f}s to persist and exit"
+        newest = persist.newest_persisted(disk)
+        assert newest is not None and newest[0] == persisted, newest
+        persist.verify_folder(newest[1])
+        assert persist.load_persisted_full(newest[1])["step"] == persisted
     finally:
         for proc in procs:
             proc.kill()

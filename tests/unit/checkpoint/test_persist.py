@@ -21,17 +21,19 @@ from dlfleet.worker.checkpoint.errors import (
     PersistTimeoutError,
     TemplateRequiredError,
 )
-from dlfleet.worker.checkpoint.image import ImageWriter, LocalImage
+from dlfleet.worker.checkpoint.image import ImageSource, ImageWriter, LocalImage
 from dlfleet.worker.checkpoint.persist import (
     MANIFEST,
     METADATA,
     SHARDED,
+    Absent,
     finish,
     finish_newest,
     load_persisted,
     load_persisted_full,
     missing_parts,
     newest_persisted,
+    node_stand_in,
     partial_folder,
     persist,
     prune,
@@ -158,6 +160,86 @@ def test_two_finishes_of_one_folder_at_once_both_find_it_complete(tmp_path: Path
         assert done == [folder, folder]
         verify_folder(folder)
         assert sorted(p.name for p in root.iterdir()) == [folder.name]  # no .partial left
+
+
+def test_a_missing_part_is_written_from_the_image_a_stand_in_gives(tmp_path: Path) -> None:
+    """Rank 1 is gone; its image is at hand: the folder is finished at once."""
+    full = torch.arange(12.0).reshape(4, 3)
+    rank0, rank1 = sharded_images(tmp_path, full, 2)
+    folder = write_part(rank0, tmp_path / "disk")
+    asked: list[tuple[int, int, int]] = []
+
+    def stand_in(step: int, round: int, rank: int) -> ImageSource | Absent:
+        asked.append((step, round, rank))
+        return rank1
+
+    assert finish_newest([(folder, 2, 4)], timeout=0.0, stand_in=stand_in) == folder
+    assert asked == [(1, 4, 1)]
+    verify_folder(folder)
+    template: dict[str, Any] = {"w": torch.zeros(4, 3), "n": 0}
+    load_persisted(template, folder)
+    assert torch.equal(template["w"], full)
+
+
+def test_a_part_that_will_never_come_is_not_waited_for(tmp_path: Path) -> None:
+    """Step 2 lacks rank 1's part, which will never come (its rank is gone
+    without an image of step 2): step 1, whole, is finished at once, without
+    waiting out the timeout for step 2."""
+    root = tmp_path / "disk"
+    older = sharded_images(tmp_path / "one", torch.ones(4, 3), 2)
+    for image in older:
+        write_part(image, root)
+    with ImageWriter(tmp_path / "two", rank=0) as writer:
+        saved = writer.write(2, {"n": 2}, round=4, world_size=2, protect=None)
+    newer = write_part(LocalImage(saved.header_path), root)
+    slept: list[float] = []
+
+    def stand_in(step: int, round: int, rank: int) -> ImageSource | Absent:
+        return Absent.NEVER if step == 2 else Absent.COMING
+
+    folders = [(newer, 2, 4), (step_folder(root, 1), 2, 4)]
+    done = finish_newest(folders, timeout=60.0, sleep=slept.append, stand_in=stand_in)
+    assert done == step_folder(root, 1) and slept == []
+    assert not (newer / METADATA).exists()
+    alone = finish_newest([(newer, 2, 4)], timeout=60.0, sleep=slept.append, stand_in=stand_in)
+    assert alone is None and slept == []
+
+
+def test_a_part_whose_rank_may_still_write_it_is_waited_for(tmp_path: Path) -> None:
+    rank0, _ = sharded_images(tmp_path, torch.ones(4, 3), 2)
+    folder = write_part(rank0, tmp_path / "disk")
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    def coming(step: int, round: int, rank: int) -> ImageSource | Absent:
+        return Absent.COMING
+
+    done = finish_newest(
+        [(folder, 2, 4)], timeout=5.0, clock=lambda: now[0], sleep=sleep, stand_in=coming
+    )
+    assert done is None and now[0] >= 5.0
+
+
+def test_the_node_stand_in_writes_a_gone_ranks_part_from_its_image_of_this_round(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 wrote steps 1 and 2 of round 4 into the node's folder and is
+    gone: step 2 comes from its image, step 3 never comes. A rank alive in
+    the folder, or one with no image of this round there (its presence left
+    by an earlier round, when it was on this node), may still write its
+    part elsewhere: it is waited for."""
+    with ImageWriter(tmp_path, rank=1, presence=True) as writer:
+        for step in (1, 2):
+            writer.write(step, {"n": step}, round=4, world_size=2, protect=None)
+        assert node_stand_in(tmp_path, 2, 4, 1) is Absent.COMING  # it lives
+    found = node_stand_in(tmp_path, 2, 4, 1)
+    assert not isinstance(found, Absent)
+    assert (found.header.rank, found.header.step, found.header.round) == (1, 2, 4)
+    assert node_stand_in(tmp_path, 3, 4, 1) is Absent.NEVER
+    assert node_stand_in(tmp_path, 2, 5, 1) is Absent.COMING  # renumbered in round 5
+    assert node_stand_in(tmp_path, 2, 4, 0) is Absent.COMING  # never on this node
 
 
 def test_load_persisted_full_asks_for_a_template_when_tensors_are_sharded(tmp_path: Path) -> None:

@@ -365,7 +365,9 @@ class Checkpointer:
         if self._writer is None or self._writer.rank != rank:
             if self._writer is not None:
                 self._writer.close()
-            self._writer = ImageWriter(self.image_dir, rank)
+            # In the node's folder, the rank's presence tells rank 0 on
+            # SIGTERM whether this rank can still write its parts.
+            self._writer = ImageWriter(self.image_dir, rank, presence=not self._private)
         return self._writer
 
     def _wait_for_commit(self, step: int) -> None:
@@ -656,6 +658,7 @@ class Checkpointer:
             finished = persist.finish_newest(
                 [(folder, i.world_size, i.round) for folder, i in folders.items()],
                 timeout=SIGTERM_PERSIST_S,
+                stand_in=self._stand_in,
             )
         except (OSError, CheckpointError) as exc:
             _log.error("terminated: no step could be persisted: %s", exc)
@@ -670,6 +673,14 @@ class Checkpointer:
             )
             return
         _log.warning("terminated: persisted step %d first", folders[finished].step)
+
+    def _stand_in(self, step: int, round_: int, rank: int) -> ImageSource | persist.Absent:
+        """Rank 0's stand-in on SIGTERM for a part not written: see
+        `persist.node_stand_in` (the node's folder only; a private folder
+        is this rank's alone, and says nothing of the others)."""
+        if self._private:
+            return persist.Absent.COMING
+        return persist.node_stand_in(self.image_dir, step, round_, rank)
 
     def _check_location(self, round_: int) -> None:
         """Once per round, at its first load or save (a node that joins later is

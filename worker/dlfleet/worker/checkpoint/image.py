@@ -53,6 +53,7 @@ from dlfleet.worker.checkpoint.errors import (
     SlotError,
 )
 from dlfleet.worker.checkpoint.files import ImageHeader, ItemKind, ItemRecord
+from dlfleet.worker.checkpoint.presence import Presence
 from dlfleet.worker.checkpoint.structure import with_skeleton
 
 StateDict = dict[str, Any]
@@ -187,7 +188,11 @@ class ImageWriter:
         slots: int = 2,
         *,
         pin_memory: bool = True,
+        presence: bool = False,
     ) -> None:
+        """With `presence`, the writer holds `rank`'s presence in the folder
+        while it is open (see presence.py): the node's folder, shared by its
+        ranks, then says whether this rank still lives."""
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         if slots < 1:
@@ -198,6 +203,7 @@ class ImageWriter:
         self._pin = pin_memory
         self._slots = [_Slot(directory / files.body_name(rank, s)) for s in range(slots)]
         self._pending: PendingImage | None = None
+        self._presence = Presence(directory, rank) if presence else None
         # A restarted worker finds the images of its predecessor: they may hold the
         # committed step, so they are adopted, never cleared.
         for image in files.list_images(directory, rank):
@@ -314,6 +320,8 @@ class ImageWriter:
             self._pending.wait(raise_error=False)
         for slot in self._slots:
             slot.close()
+        if self._presence is not None:
+            self._presence.close()
 
     def __enter__(self) -> ImageWriter:
         return self

@@ -24,8 +24,10 @@ restore falls back to an older folder.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -60,7 +62,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from dlfleet.worker.checkpoint import files, presence
 from dlfleet.worker.checkpoint.errors import (
+    CheckpointError,
     PersistCorruptError,
     PersistError,
     PersistTimeoutError,
@@ -76,9 +80,11 @@ from dlfleet.worker.checkpoint.files import (
     digest,
     encode_header,
 )
-from dlfleet.worker.checkpoint.image import ImageSource, dtype_of
+from dlfleet.worker.checkpoint.image import ImageSource, LocalImage, dtype_of
 from dlfleet.worker.checkpoint.restore import empty_state_dict, load_with_planner
 from dlfleet.worker.checkpoint.structure import reshape
+
+_log = logging.getLogger("dlfleet.checkpoint")
 
 # DCP's name for a checkpoint's metadata file (torch's filesystem._metadata_fn, private).
 METADATA = ".metadata"
@@ -90,6 +96,19 @@ MANIFEST = ".dlfleet-manifest"
 MANIFEST_FORMAT = "dlfleet-manifest/1"
 _PREFIX = "step-"
 _PARTIAL = ".partial"
+
+
+class Absent(enum.Enum):
+    """Why a stand-in does not write a missing part (see `finish_newest`)."""
+
+    COMING = "coming"  # its rank may still write it: wait for it
+    NEVER = "never"  # its rank is gone and no image of it is at hand
+
+
+# (step, round, rank) of a part not written yet -> the image to write it from
+# (its rank is gone: nobody else will write it), or why there is none.
+StandIn = Callable[[int, int, int], "ImageSource | Absent"]
+
 # One finish at a time in this process: two finishes of one folder would
 # write its manifest and .metadata at once, and one would fail on a folder
 # the other had just renamed (or leave a truncated file in it, if killed).
@@ -175,25 +194,93 @@ def finish_newest(
     poll: float = 0.05,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    stand_in: StandIn | None = None,
 ) -> Path | None:
     """Of `folders` (folder, world size, round; newest step first), finish
     the newest whose parts all come within `timeout`, and return it (None if
     none did). An older folder found whole is finished at once, so that a
-    kill while the newer one is waited for loses no more than that."""
+    kill while the newer one is waited for loses no more than that.
+
+    With `stand_in`, a missing part is written from the image it gives (its
+    rank is gone), and a folder with a part that will never come
+    (`Absent.NEVER`) is not waited for: no wait outlasts what can still
+    come."""
     deadline = clock() + timeout
     newest: Path | None = None
     waiting = list(folders)
     while waiting:
-        for index, (folder, world_size, round) in enumerate(waiting):
-            if not _finish_if_whole(folder, world_size, round):
-                continue
-            newest = folder
-            del waiting[index:]  # the older ones are not needed any more
-            break
+        kept = []
+        for entry in waiting:
+            folder, world_size, round = entry
+            if stand_in is not None and not _stand_in(folder, world_size, round, stand_in):
+                continue  # it can never be whole
+            if _finish_if_whole(folder, world_size, round):
+                newest = folder
+                break  # the older ones are not needed any more
+            kept.append(entry)
+        waiting = kept
         if not waiting or clock() >= deadline:
             return newest
         sleep(poll)
     return newest
+
+
+def node_stand_in(directory: Path, step: int, round: int, rank: int) -> ImageSource | Absent:
+    """A `StandIn` over a node's image folder, which its ranks share: when
+    rank `rank` is gone from this node (killed before it could write its
+    part: that part never comes), its image of `step` there, or
+    `Absent.NEVER` if the folder holds none; else `Absent.COMING` (the rank
+    lives, or is on another node, whose folder this one cannot see).
+
+    The rank's presence is trusted only if the folder holds an image of it
+    from `round`: a presence left by an earlier round, when the rank was on
+    this node, says nothing of the rank now (after the ranks were numbered
+    anew it may live on another node)."""
+    if presence.rank_state(directory, rank) is not presence.RankState.GONE:
+        return Absent.COMING
+    this_round = [s for s in files.list_images(directory, rank) if s.header.round == round]
+    if not this_round:
+        return Absent.COMING
+    for stored in this_round:
+        if stored.header.step != step:
+            continue
+        try:
+            image = LocalImage(stored.header_path)
+        except (OSError, CheckpointError) as exc:
+            _log.warning("rank %d is gone, and its image is unreadable: %s", rank, exc)
+            return Absent.NEVER
+        _log.warning("rank %d is gone; writing its part of step %d from its image", rank, step)
+        return image
+    return Absent.NEVER
+
+
+def _stand_in(folder: Path, world_size: int, round: int, stand_in: StandIn) -> bool:
+    """Write the missing parts of `folder` that `stand_in` gives images for;
+    False if one of them will never be written."""
+    if (folder / METADATA).is_file():
+        return True
+    step = int(folder.name.removeprefix(_PREFIX))
+    parts = _read_parts(partial_folder(folder), world_size, round)
+    for rank in _missing(parts, world_size):
+        found = stand_in(step, round, rank)
+        if found is Absent.NEVER:
+            return False
+        if isinstance(found, Absent):
+            continue
+        h = found.header
+        if (h.step, h.round, h.world_size, h.rank) != (step, round, world_size, rank):
+            raise PersistError(
+                f"{folder}: the image given for rank {rank} of round {round} is rank "
+                f"{h.rank}'s of step {h.step}, round {h.round}"
+            )
+        try:
+            write_part(found, folder.parent)
+        except (OSError, CheckpointError) as exc:
+            _log.warning(
+                "%s: rank %d's part could not be written from its image: %s", folder, rank, exc
+            )
+            return False
+    return True
 
 
 def _finish_if_whole(folder: Path, world_size: int, round: int) -> bool:
