@@ -460,6 +460,28 @@ def test_stock_torchrun_through_the_master_leases_every_record_exactly_once(
         assert report.discarded > 0  # the steps after the checkpoint were rolled back
 
 
+def test_stock_torchrun_restores_a_killed_worker_from_the_nodes_memory(
+    tmp_path: Path, master_process: Callable[..., MasterProcess]
+) -> None:
+    """Under `torchrun --rdzv-backend=dlfleet`, torchrun's own process keeps
+    the node's checkpoint images (the handler runs the keeper): a worker
+    killed at step 9 is restarted cold by torchrun, and every rank restores
+    step 8, the newest step all saved in memory (nothing is persisted), with
+    every record trained once."""
+    ledger = tmp_path / "ledger"
+    args = [str(LEDGER_SCRIPT), "--ledger-dir", str(ledger), "--size", str(LEDGER_SIZE)]
+    args += ["--batch-size", "4", "--epochs", "2", "--dataset-name", "records", "--in-memory"]
+    args += ["--crash-at-step", "9", "--crash-rank", "1"]
+    master, _ = run_two_torchruns(tmp_path, master_process, "--max-restarts", "1", script=args)
+    report = assert_exactly_once(ledger, size=LEDGER_SIZE, epochs=2)
+    restores = [json.loads(line) for line in (ledger / "restores.jsonl").read_text().splitlines()]
+    assert [r["restored_step"] for r in restores] == [0, 8], restores
+    assert len(report.attempts) == 2
+    assert not (ledger / "checkpoints" / "persisted").exists()  # from memory, not disk
+    with MasterClient(master.address, token=TOKEN) as client:
+        assert client.dataset_status("records").finished
+
+
 def test_a_killed_agent_leaves_no_socket_file_behind(
     job: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -33,11 +33,17 @@ NODE_ID_ENV = "DLFLEET_NODE_ID"
 # The agent's Unix socket. Set by the agent for its workers; read by the
 # in-process restart runner and the checkpointer.
 AGENT_ENV = "DLFLEET_AGENT"
+# The node keeper's address (a Unix socket) where no agent runs the workers:
+# set by the torchrun rendezvous handler, which keeps the node's checkpoint
+# images in torchrun's agent process; read by the checkpointer (AGENT_ENV,
+# where set, names the same service and wins).
+KEEPER_ENV = "DLFLEET_KEEPER"
 # "1" in a spare worker (started ahead of a failure). Set by the agent; read
 # by the in-process restart runner.
 SPARE_ENV = "DLFLEET_SPARE"
 # The agent keeper's folder for this node's checkpoint images. Set by the
-# agent for its workers; read by the checkpointer.
+# agent (or the torchrun rendezvous handler) for its workers; read by the
+# checkpointer.
 CHECKPOINT_DIR_ENV = "DLFLEET_CHECKPOINT_DIR"
 # Each rank's progress file. Set by the agent for each worker; read (and the
 # file written) by `dlfleet.worker.progress` in the worker.

@@ -392,3 +392,31 @@ def test_the_folders_of_dead_agents_are_removed_and_live_ones_kept(tmp_path: Pat
         folder.mkdir()
     assert remove_stale_folders(tmp_path) == [dead]
     assert alive.exists() and other.exists() and not dead.exists()
+
+
+def test_a_keeper_without_in_place_restarts_refuses_to_attach_a_worker(tmp_path: Path) -> None:
+    """The torchrun handler's keeper (no orders: torchrun restarts its
+    workers cold) says so to a process that tries to attach, at once."""
+    server = AgentServer(
+        KeeperService(None),
+        token=TOKEN,
+        local_address=f"unix:{tmp_path / 'k.sock'}",
+        host="127.0.0.1",
+        threads=2,
+    )
+    server.start()
+    try:
+        with grpc.insecure_channel(server.local_address) as channel:
+            stub = checkpoint_pb2_grpc.KeeperStub(channel)
+            request = checkpoint_pb2.AttachRequest(pid=os.getpid())
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Attach(request, metadata=(("x-dlfleet-token", TOKEN),), timeout=5))
+            stub.Report(
+                checkpoint_pb2.WorkerState(pid=os.getpid(), round=1),
+                metadata=(("x-dlfleet-token", TOKEN),),
+                timeout=5,
+            )  # ignored: nothing to tell
+    finally:
+        server.stop()
+    assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "torchrun" in str(caught.value.details())

@@ -20,12 +20,21 @@ The workers' ShardedDataLoader leases from the master as under dlworker: torchru
 starts (and restarts) the workers from this process's environment right after
 each `next_rendezvous()` (`SimpleElasticAgent._initialize_workers`), so that
 is where the master's address, the token, the node id and the new round go.
+
+The node's checkpoint images live here too, as under dlworker: this process
+runs the node's keeper (`dlfleet.worker.agent.keeper`: the images in shared
+memory, reported to the master, copied to the next node of the round, served
+to whoever restores) and tells the workers where it is. torchrun restarts
+its workers cold, but the images outlive them: a restarted worker's
+`Checkpointer.load()` restores the newest committed step from this node's
+memory or a peer's replica. They go when torchrun exits (`shutdown`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 from datetime import timedelta
 
@@ -44,9 +53,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from dlfleet.api.client import AgentSession, MasterClient, join_request
-from dlfleet.api.env import TOKEN_ENV
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, KEEPER_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
+from dlfleet.worker.agent.keeper import ImageKeeper
+from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worker_endpoint
 from dlfleet.worker.agent.processes import free_ports
 from dlfleet.worker.loader.environment import launcher_variables
 
@@ -54,6 +65,9 @@ _log = logging.getLogger(__name__)
 
 BACKEND = "dlfleet"
 STORE_TIMEOUT = timedelta(seconds=120)
+# The keeper's server threads: each worker's Saved call holds one while its
+# step commits (bounded), peers' replicas and fetches another each.
+KEEPER_THREADS = 64
 
 
 class DlfleetRendezvousHandler(RendezvousHandler):
@@ -71,6 +85,8 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         self._node_id = ""
         self._incarnation = 0
         self._session: AgentSession | None = None
+        self._server: AgentServer | None = None
+        self._keeper: ImageKeeper | None = None
         self._round = 0
         self._closed = False
 
@@ -96,6 +112,7 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             joined = self._session.join(
                 join_request(
                     self._node_id, self._incarnation, 1, self._host, port,
+                    keeper_address=self._server.peer_address if self._server else "",
                     next_bootstrap_port=spare,
                 )
             )  # fmt: skip
@@ -105,10 +122,15 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             raise RendezvousError(str(error)) from error
         self._round = joined.round
         self._session.round = joined.round
+        if self._keeper is not None:
+            self._keeper.set_peer(joined.keeper_peer or None)
         # Read by torchrun when it starts this round's workers, next.
         os.environ.update(
             launcher_variables(self._params.endpoint, self._token, joined.round, self._node_id)
         )
+        if self._server is not None and self._keeper is not None:
+            os.environ[KEEPER_ENV] = self._server.local_address
+            os.environ[CHECKPOINT_DIR_ENV] = str(self._keeper.own_dir)
         store: Store = TCPStore(
             joined.bootstrap_host,
             joined.bootstrap_port,
@@ -136,6 +158,29 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         self._node_id, self._incarnation = registered.node_id, registered.incarnation
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self._session = self._client.agent_session(self._node_id, self._incarnation, interval)
+        self._start_keeper()
+
+    def _start_keeper(self) -> None:
+        """The node's image keeper and its server (see the module's doc)."""
+        service = KeeperService(None)
+        server = AgentServer(
+            service,
+            token=self._token,
+            local_address=worker_endpoint(f"torchrun-{os.getpid()}-{secrets.token_hex(3)}"),
+            host=self._bind,
+            published=self._host,
+            threads=KEEPER_THREADS,
+        )
+        keeper = ImageKeeper.create(
+            client=self._client,
+            token=self._token,
+            node_id=self._node_id,
+            incarnation=self._incarnation,
+            address=server.peer_address,
+        )
+        service.images = keeper
+        server.start()
+        self._server, self._keeper = server, keeper
 
     def _choose_address(self, master_saw: str | None) -> None:
         """The node's address, as dlworker chooses it (torchrun's --local-addr
@@ -187,6 +232,12 @@ class DlfleetRendezvousHandler(RendezvousHandler):
                 _log.warning("leaving the dlfleet rendezvous failed: %s", error)
             self._session.close()
             self._session = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._keeper is not None:
+            self._keeper.close()  # the images go with the job's last workers
+            self._keeper = None
         self._client.close()
         return True
 

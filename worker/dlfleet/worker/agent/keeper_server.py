@@ -44,26 +44,35 @@ class Images(Protocol):
 
 
 class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
-    def __init__(self, orders: WorkerOrders, images: Images | None = None) -> None:
+    def __init__(self, orders: WorkerOrders | None, images: Images | None = None) -> None:
+        """`orders`: None where nothing restarts the workers in place (the
+        torchrun rendezvous handler's keeper): `Attach` is refused."""
         self.orders = orders
         self.images = images
 
     def Attach(
         self, request: checkpoint_pb2.AttachRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.WorkerOrder]:
-        line = self.orders.open_line(request.pid, request.spare)
+        orders = self.orders
+        if orders is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this node restarts its workers cold (torchrun): no in-place restarts",
+            )
+        line = orders.open_line(request.pid, request.spare)
         _log.info("process %d attached%s", request.pid, " as a spare" if request.spare else "")
         # A process that dies cancels its stream: end the generator's wait.
-        context.add_callback(lambda: self.orders.close_line(line))
+        context.add_callback(lambda: orders.close_line(line))
         try:
-            yield from self.orders.orders_of(line)
+            yield from orders.orders_of(line)
         finally:
-            self.orders.close_line(line)
+            orders.close_line(line)
 
     def Report(
         self, request: checkpoint_pb2.WorkerState, context: grpc.ServicerContext
     ) -> checkpoint_pb2.WorkerStateAck:
-        self.orders.report(request.pid, request.round, request.state, request.detail)
+        if self.orders is not None:
+            self.orders.report(request.pid, request.round, request.state, request.detail)
         return checkpoint_pb2.WorkerStateAck()
 
     def Saved(

@@ -68,6 +68,7 @@ from dlfleet.api.client import MasterClient
 from dlfleet.api.env import (
     AGENT_ENV,
     CHECKPOINT_DIR_ENV,
+    KEEPER_ENV,
     MASTER_ENV,
     NODE_ID_ENV,
     ROUND_ENV,
@@ -173,7 +174,9 @@ class Checkpointer:
         )
         self._writer: ImageWriter | None = None
         self._token = os.environ.get(TOKEN_ENV, "")
-        agent = os.environ.get(AGENT_ENV, "")
+        # dlworker's agent, or the keeper torchrun's dlfleet rendezvous
+        # handler runs: the same service for the images.
+        agent = os.environ.get(AGENT_ENV) or os.environ.get(KEEPER_ENV, "")
         self._agent: checkpoint_pb2_grpc.KeeperStub | None = None
         self._agent_channel: grpc.Channel | None = None
         if agent and not self._private:
