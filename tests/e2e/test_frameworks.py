@@ -7,9 +7,11 @@ Each logs the records every rank trained at every step; tests/e2e/ledger.py
 checks that the model that survived trained every record of every epoch
 exactly once.
 
-- A worker killed mid-epoch: its node's group restarts and both ranks
-  restore the newest step every rank saved, from memory (the step before
-  the kill), not from the framework's own folders.
+- A worker killed mid-epoch: both ranks restore the newest step every rank
+  saved, from memory (the step before the kill), not from the framework's
+  own folders. HF's `DLFleetTrainer` restarts in place: the surviving rank
+  keeps its process and trains in the next round; Lightning's group
+  restarts cold.
 - A machine lost (every process of host b killed, tests/netns.py): the
   survivor on host a trains alone in a world of one, from its own memory;
   Lightning's environment follows the round instead of refusing a world
@@ -99,6 +101,8 @@ def test_a_worker_killed_restores_the_step_before_from_memory_and_trains_every_r
     # Every step was checkpointed: the restart lost only the step being trained.
     assert restored_steps(report) == [16], report.restores
     assert "resumed at step 16 from memory" in log, log[-3000:]
+    if framework == "hf":  # restarted in place: the survivor kept its process
+        assert "round 1 aborted" in log and "waiting for the next round" in log, log[-3000:]
 
 
 # ------------------------------------------------------- a machine lost

@@ -71,6 +71,7 @@ class LedgerTrainer(DLFleetTrainer):
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._prepare_for_training(*args, **kwargs)
+        self.ledger.refresh()  # a new round, when restarted in place
         if self.args.process_index == 0:
             self.ledger.restored(self.restored.step if self.restored is not None else 0)
         return prepared

@@ -37,6 +37,12 @@ class Ledger:
     def __init__(self, cli: argparse.Namespace, name: str) -> None:
         self.cli = cli
         self.name = name
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The attempt this process is in now: a process that restarts in
+        place (dlfleet.elastic.run) trains in several rounds, each setting
+        the environment anew."""
         self.round = int(os.environ.get("DLFLEET_ROUND") or 0)
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         self.attempt = self.round if self.round > 0 else self.restart

@@ -30,25 +30,33 @@ What changes under the subclass:
   padding batch (a record another rank trains in that step) with a zero
   gradient, as the loader's `pad_empty` describes.
 
-Under dlworker a failed worker group is restarted by the agent, and the new
-processes restore from memory. Under plain torchrun (no master) the loader
-slices by rank with a warning and only persisted steps can be restored.
+Under dlworker `train()` restarts in place (`dlfleet.elastic.run`): a peer's
+failure or a changed world ends the round, the surviving processes train in
+the next one restored from memory, and a spare process takes a dead rank.
+Under torchrun with the dlfleet rendezvous, torchrun restarts the workers
+cold and they restore from the node's memory; under plain torchrun (no
+master) the loader slices by rank with a warning and only persisted steps
+can be restored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState, GradientState  # type: ignore[import-untyped]
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from dlfleet.api.env import AGENT_ENV
+from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer, Restored
 from dlfleet.worker.loader import ShardedDataLoader
 from dlfleet.worker.loader.padding import zero_weight
@@ -135,30 +143,77 @@ class DLFleetTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
+        """HF's `train`, after restoring the newest step dlfleet holds.
+
+        Under dlworker it restarts in place (`dlfleet.elastic.run`): when the
+        world changes or a peer fails, this process leaves the round and
+        trains again in the next one, restored from memory, without a cold
+        start; a spare process (the script run up to here, waiting) takes
+        over a dead rank."""
+
+        def attempt(current: elastic.Attempt | None) -> Any:
+            if current is not None and current.in_process:
+                self._join_round()
+            return self._train_attempt(resume_from_checkpoint, trial, ignore_keys_for_eval, kwargs)
+
         with Checkpointer(persist_every=self.persist_every, persist_dir=self.persist_dir) as ckpt:
             self.checkpointer = ckpt
-            self.restored = ckpt.load()
-            if self.restored is not None:
-                resume_from_checkpoint = None  # dlfleet's step is the newest
-            elif resume_from_checkpoint is True:
-                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
-                if resume_from_checkpoint is None:
-                    raise ValueError(f"no checkpoint found in {self.args.output_dir}")
-            self._resume_folder = (
-                resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-            )
             try:
-                return super().train(
-                    resume_from_checkpoint=resume_from_checkpoint,
-                    trial=trial,
-                    ignore_keys_for_eval=ignore_keys_for_eval,
-                    **kwargs,
-                )
+                if os.environ.get(AGENT_ENV):
+                    return elastic.run(attempt)
+                return attempt(None)
             finally:
-                if self.loader is not None:
-                    self.loader.close()
-                    self.loader = None
                 self.checkpointer = None
+
+    def _train_attempt(
+        self,
+        resume_from_checkpoint: str | bool | None,
+        trial: Any,
+        ignore_keys_for_eval: list[str] | None,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        assert self.checkpointer is not None
+        self.restored = self.checkpointer.load()
+        if self.restored is not None:
+            resume_from_checkpoint = None  # dlfleet's step is the newest
+        elif resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint found in {self.args.output_dir}")
+        self._resume_folder = (
+            resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        )
+        try:
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+        finally:
+            if self.loader is not None:
+                self.loader.close()
+                self.loader = None
+
+    def _join_round(self) -> None:
+        """Make HF and Accelerate see this round's world: the process group
+        `elastic.run` set up (a spare made its TrainingArguments alone, a
+        survivor in the world of the round before). Their state is built
+        anew from it; the model stays, unwrapped, and the optimizer and
+        scheduler are taken out of the previous round's wrappers (their
+        state is restored from the checkpoint)."""
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        self.args.__dict__.pop("_setup_devices", None)  # a cached_property
+        self.args.distributed_state = None
+        device = self.args.device  # a PartialState on the round's group
+        self.create_accelerator_and_postprocess()
+        self.model_wrapped = self._module()
+        if self.place_model_on_device:
+            self._move_model_to_device(self._module(), device)
+        if self.optimizer is not None:
+            self.optimizer = _inner_optimizer(self.optimizer)
+        self.lr_scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
 
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:

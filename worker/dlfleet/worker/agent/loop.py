@@ -124,7 +124,25 @@ SPARE_DELAY_S = 3.0
 WARM_START_TIMEOUT_S = 60.0
 WARM_START_STRAGGLER_S = 10.0
 # Variables that name one rank: a spare has none until it takes over a rank.
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
+_RANK_VARIABLES = ("TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
+# A spare is a world of one until a run order gives it a round: a script
+# that forms a process group from the environment before `elastic.run`
+# (HF's TrainingArguments do, through Accelerate) gets one of its own, on a
+# store of its own (port 0: any free port), instead of joining, or hosting,
+# a round's store. `run` retires that group before the spare warms up.
+_SPARE_WORLD = {
+    "RANK": "0", "LOCAL_RANK": "0", "ROLE_RANK": "0", "GROUP_RANK": "0",
+    "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+}  # fmt: skip
+
+
+def spare_environment(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment made a spare's (see _SPARE_WORLD)."""
+    spare = {k: v for k, v in env.items() if k not in _RANK_VARIABLES}
+    spare.update(_SPARE_WORLD)
+    spare[SPARE_ENV] = "1"
+    return spare
 
 
 def master_client(config: AgentConfig) -> MasterClient:
@@ -598,12 +616,7 @@ class Agent:
             bootstrap_host=self.host,
             bootstrap_port=1,
         )  # a placeholder: a spare's round, ranks and store come with its run order
-        env = {
-            k: v
-            for k, v in self._environments(provisional, 0)[0].items()
-            if k not in _RANK_VARIABLES
-        }
-        env[SPARE_ENV] = "1"
+        env = spare_environment(self._environments(provisional, 0)[0])
         self.group = self._worker_group()
         for _ in range(self.config.nproc_per_node):
             self.group.start_spare(self.config, env, self.log_dir)
@@ -651,8 +664,7 @@ class Agent:
             _log.warning("a spare process ended: %s", failure.message.strip().splitlines()[-1:])
         if len(self.group.spare_pids) >= self.config.spares or self._clock() < self._spares_due:
             return
-        env = {k: v for k, v in self._envs[0].items() if k not in _RANK_VARIABLES}
-        env[SPARE_ENV] = "1"
+        env = spare_environment(self._envs[0])
         pid = self.group.start_spare(self.config, env, self.log_dir)
         _log.info("started spare process %d", pid)
         self._spares_due = self._clock() + SPARE_DELAY_S

@@ -69,6 +69,17 @@ def _shut(fd: int) -> bool:
         sock.close()
 
 
+def _is_tcp(fd: int) -> bool:
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return sock.family in (socket.AF_INET, socket.AF_INET6)
+    finally:
+        sock.close()
+
+
 class CollectiveAbort:
     """Set up around one process group's life; `abort()` from any thread."""
 
@@ -93,6 +104,19 @@ class CollectiveAbort:
         """Call once the group is up: its sockets are the new ones."""
         with self._lock:
             self._fds = socket_fds() - self._baseline
+            self._group = group
+            self._forming = False
+
+    def adopt(self, group: Any) -> None:
+        """Arm for a group that was up before `before_init()` (made from the
+        launch environment before `run`: Accelerate does so when HF's
+        TrainingArguments are made): its sockets are not told from the
+        others by time, so every TCP connection of the process counts as the
+        group's (gloo pairs and the store are TCP; the agent's line is a
+        Unix socket). Another TCP client of the process that the abort
+        shuts (a gRPC channel) connects again."""
+        with self._lock:
+            self._fds = {fd for fd in socket_fds() if _is_tcp(fd)}
             self._group = group
             self._forming = False
 

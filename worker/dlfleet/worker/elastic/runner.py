@@ -160,6 +160,9 @@ def run(
     faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=chain)
     if os.environ.get(SPARE_ENV) == "1":
         _name_process(SPARE_NAME)  # what `ps` shows until it takes over a rank
+        # A spare's environment is a world of one: a group the script made
+        # from it (Accelerate does) is no round's.
+        retire_process_group()
         warm_up(backend)  # before attaching: a spare that attached is ready
     # Everything alive now (torch, the script's imports, its model) stays:
     # later collections, after each aborted attempt, skip it (~0.2 s -> ms).
@@ -238,6 +241,8 @@ class _InProcess:
         )
         self.channel.on_abort = self._on_abort
         self.round = 0
+        # The round and store this process was launched for (see `_adoptable`).
+        self.launched = (os.environ.get(ROUND_ENV, ""), os.environ.get("MASTER_PORT", ""))
 
     def _on_abort(self, round_: int) -> None:
         if round_ >= self.round > 0:
@@ -302,27 +307,10 @@ class _InProcess:
         if self.channel.aborted(order.round):
             self.channel.report(order.round, WorkState.ABORTED, pid=self.pid)
             return None
+        adopted = self._adoptable(order, index)
         try:
-            if order.rank != 0:
-                # A client that finds no server backs off for up to a second
-                # before trying again: knock first, cheaply.
-                _wait_for_listener(
-                    order.store_host, order.store_port, self.timeout, self.abort.aborted
-                )
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                order.store_host,
-                order.store_port,
-                order.world_size,
-                is_master=order.rank == 0,
-                timeout=self.timeout,
-            )
-            dist.init_process_group(
-                _backend(self.backend),
-                store=store,
-                rank=order.rank,
-                world_size=order.world_size,
-                timeout=self.timeout,
-            )
+            if not adopted:
+                self._form_group(order)
         except Exception as exc:  # sorted below: an abort, or the script's failure
             if self.channel.aborted(order.round) or self.channel.wait_aborted(
                 order.round, self.grace_s
@@ -332,12 +320,64 @@ class _InProcess:
                 self.channel.report(order.round, WorkState.ABORTED, pid=self.pid)
                 return None
             raise
-        self.abort.arm(dist.group.WORLD)
+        if adopted:
+            _log.info("round %d: the process group made before run() is this round's", order.round)
+            self.abort.adopt(dist.group.WORLD)
+        else:
+            self.abort.arm(dist.group.WORLD)
         if self.channel.aborted(order.round):  # the abort came before arm()
             self.abort.abort()
         _current.attempt = attempt
         self.channel.report(order.round, WorkState.RUNNING, pid=self.pid)
         return attempt
+
+    def _adoptable(self, order: checkpoint_pb2.RunOrder, index: int) -> bool:
+        """Whether a process group already up is this round's own: made
+        from the launch environment before `run` (Accelerate makes one when
+        HF's TrainingArguments are made), in the round and on the store this
+        process was launched for, with its rank and world. Any other group
+        made before is not this round's: it is retired (its store's port is
+        not this round's, so nothing waits for it to close)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        if (
+            index == 0
+            and self.launched == (str(order.round), str(order.store_port))
+            and dist.get_rank() == order.rank
+            and dist.get_world_size() == order.world_size
+        ):
+            return True
+        _log.info("a process group made before run() is not round %d's: retired", order.round)
+        retire_process_group()
+        return False
+
+    def _form_group(self, order: checkpoint_pb2.RunOrder) -> None:
+        """The round's store (hosted by rank 0) and process group."""
+        import torch.distributed as dist
+
+        if order.rank != 0:
+            # A client that finds no server backs off for up to a second
+            # before trying again: knock first, cheaply.
+            _wait_for_listener(order.store_host, order.store_port, self.timeout, self.abort.aborted)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            order.store_host,
+            order.store_port,
+            order.world_size,
+            is_master=order.rank == 0,
+            timeout=self.timeout,
+        )
+        dist.init_process_group(
+            _backend(self.backend),
+            # The keys `init_process_group("env://")` uses: a process started
+            # for this round may have formed its group from the environment
+            # before `run` (Accelerate does) on this same store.
+            store=dist.PrefixStore("default_pg", store),  # type: ignore[attr-defined]
+            rank=order.rank,
+            world_size=order.world_size,
+            timeout=self.timeout,
+        )
 
     def _train(self, train: Callable[[Attempt], T], attempt: Attempt) -> object:
         """Train, then Finalize (its result) or Abort (`_ABORTED`)."""
