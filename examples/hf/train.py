@@ -8,8 +8,10 @@ trainer's class (`Trainer` -> `DLFleetTrainer`). Run it as a job:
 or on each node with `dlworker --master HOST:PORT --nnodes 1:2 train.py`.
 The train dataloader then leases from the master, so that every record is
 trained once through a lost node or a killed worker; every step is
-checkpointed in memory (and replicated to a peer node), and a restarted
-worker group resumes from the step before the failure. HF's own
+checkpointed in memory (and replicated to a peer node), and a failure
+restarts training in place: the surviving processes go on in the next
+round, a spare process takes a dead rank, all from the step before the
+failure. HF's own
 `save_steps` folders are still written. Under plain `torchrun` the same
 script runs with rank-based sharding (a warning says so).
 
