@@ -98,9 +98,13 @@ def test_a_worker_killed_restores_the_step_before_from_memory_and_trains_every_r
     job = make_job(framework, ["--crash-at-step", "17", "--crash-rank", "1"]).start()
     log = job.succeed()
     report = assert_exactly_once(job.ledger, size=SIZE, epochs=EPOCHS)
-    # Every step was checkpointed: the restart lost only the step being trained.
-    assert restored_steps(report) == [16], report.restores
-    assert "resumed at step 16 from memory" in log, log[-3000:]
+    # Every step was checkpointed: the restart lost the step being trained,
+    # and at most the one before it, whose image the killed rank may still
+    # have been finishing in the background (its save had returned; step 15
+    # was committed before it did, since a save waits for the step before).
+    (restored,) = restored_steps(report)
+    assert restored in (15, 16), report.restores
+    assert f"resumed at step {restored} from memory" in log, log[-3000:]
     if framework == "hf":  # restarted in place: the survivor kept its process
         assert "round 1 aborted" in log and "waiting for the next round" in log, log[-3000:]
 
