@@ -57,7 +57,7 @@ from dlfleet.api.env import CHECKPOINT_DIR_ENV, KEEPER_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.keeper import ImageKeeper
-from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worker_endpoint
+from dlfleet.worker.agent.keeper_server import AgentServer, start_keeper
 from dlfleet.worker.agent.processes import free_ports
 from dlfleet.worker.loader.environment import launcher_variables
 
@@ -162,25 +162,17 @@ class DlfleetRendezvousHandler(RendezvousHandler):
 
     def _start_keeper(self) -> None:
         """The node's image keeper and its server (see the module's doc)."""
-        service = KeeperService(None)
-        server = AgentServer(
-            service,
-            token=self._token,
-            local_address=worker_endpoint(f"torchrun-{os.getpid()}-{secrets.token_hex(3)}"),
-            host=self._bind,
-            published=self._host,
-            threads=KEEPER_THREADS,
-        )
-        keeper = ImageKeeper.create(
+        self._server, self._keeper = start_keeper(
+            None,
             client=self._client,
             token=self._token,
             node_id=self._node_id,
             incarnation=self._incarnation,
-            address=server.peer_address,
+            name=f"torchrun-{os.getpid()}-{secrets.token_hex(3)}",
+            host=self._bind,
+            published=self._host,
+            threads=KEEPER_THREADS,
         )
-        service.images = keeper
-        server.start()
-        self._server, self._keeper = server, keeper
 
     def _choose_address(self, master_saw: str | None) -> None:
         """The node's address, as dlworker chooses it (torchrun's --local-addr

@@ -23,8 +23,10 @@ from typing import Protocol
 import grpc
 
 from dlfleet.api.addresses import with_port
+from dlfleet.api.client import MasterClient
 from dlfleet.api.serving.tokens import TokenCheck
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from dlfleet.worker.agent.keeper import ImageKeeper
 from dlfleet.worker.agent.orders import WorkerOrders
 from dlfleet.worker.checkpoint.errors import CheckpointError, ImageChangedError
 
@@ -163,3 +165,39 @@ class AgentServer:
         self._server.stop(grace=0.5).wait(2.0)
         if self._socket_path is not None:
             self._socket_path.unlink(missing_ok=True)
+
+
+def start_keeper(
+    orders: WorkerOrders | None,
+    *,
+    client: MasterClient,
+    token: str,
+    node_id: str,
+    incarnation: int,
+    name: str,
+    host: str,
+    published: str,
+    threads: int,
+) -> tuple[AgentServer, ImageKeeper]:
+    """A node's image keeper and the server its workers and peers reach it
+    on (the workers at `worker_endpoint(name)`), started: dlworker's agent
+    and torchrun's dlfleet rendezvous handler each run one."""
+    service = KeeperService(orders)
+    server = AgentServer(
+        service,
+        token=token,
+        local_address=worker_endpoint(name),
+        host=host,
+        published=published,
+        threads=threads,
+    )
+    keeper = ImageKeeper.create(
+        client=client,
+        token=token,
+        node_id=node_id,
+        incarnation=incarnation,
+        address=server.peer_address,
+    )
+    service.images = keeper
+    server.start()
+    return server, keeper

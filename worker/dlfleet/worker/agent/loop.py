@@ -68,7 +68,7 @@ from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.keeper import ImageKeeper
-from dlfleet.worker.agent.keeper_server import AgentServer, KeeperService, worker_endpoint
+from dlfleet.worker.agent.keeper_server import AgentServer, start_keeper
 from dlfleet.worker.agent.metrics import NodeSampler
 from dlfleet.worker.agent.node_check import CheckHelper, run_check
 from dlfleet.worker.agent.orders import WorkerOrders
@@ -377,25 +377,17 @@ class Agent:
         return Joining(phase.restart_count + 1)
 
     def _start_server(self) -> tuple[AgentServer, ImageKeeper]:
-        service = KeeperService(self.orders)
-        server = AgentServer(
-            service,
-            token=self.config.token,
-            local_address=worker_endpoint(f"dlworker-{os.getpid()}-{secrets.token_hex(3)}"),
-            host=self.bind_host,
-            published=self.host,
-            threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
-        )
-        keeper = ImageKeeper.create(
+        return start_keeper(
+            self.orders,
             client=self.client,
             token=self.config.token,
             node_id=self.node_id,
             incarnation=self.incarnation,
-            address=server.peer_address,
+            name=f"dlworker-{os.getpid()}-{secrets.token_hex(3)}",
+            host=self.bind_host,
+            published=self.host,
+            threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
         )
-        service.images = keeper
-        server.start()
-        return server, keeper
 
     # ------------------------------------------------------------- phases
 
