@@ -251,8 +251,12 @@ def test_a_node_killed_leaves_its_peer_restoring_from_memory_in_a_smaller_world(
         ["--in-memory", "--sleep-per-step", "0.15"], relaunch_delay_s=2.0, max_node_relaunches=1
     )
     job.start()
+    # The agent's pid first: asking for it takes a process start, slow on a
+    # busy machine, and the kill must come mid-run.
+    job.wait_for(lambda: job.node_pid("node-1") > 0, "node-1 started")
+    agent = job.node_pid("node-1")
     job.wait_for(lambda: job.steps_logged() >= 2 * 12, "12 steps of 2 ranks")
-    os.kill(job.node_pid("node-1"), signal.SIGKILL)
+    os.kill(agent, signal.SIGKILL)
     job.succeed()
     worlds = job.worlds()
     assert worlds[0] == 2 and 1 in worlds, worlds
@@ -287,8 +291,10 @@ def test_state_cut_among_a_nodes_ranks_restores_whole_after_rank_and_node_kills(
         max_node_relaunches=1,
     )
     job.start()
+    job.wait_for(lambda: job.node_pid("node-1") > 0, "node-1 started")
+    agent = job.node_pid("node-1")  # before: see the test above
     job.wait_for(lambda: job.steps_logged() >= 4 * 25, "25 steps of 4 ranks")
-    os.kill(job.node_pid("node-1"), signal.SIGKILL)
+    os.kill(agent, signal.SIGKILL)
     job.succeed()
     report = job.check()
     restored = _restores_from_memory(report)

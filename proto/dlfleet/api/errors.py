@@ -34,6 +34,19 @@ class InvalidArgument(DlfleetError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+# How the master's refusal of a join begins once a round ended with every
+# member's workers finished: the training is done, and a node that comes up
+# after that (a replacement that was still starting) exits as one whose work
+# is done instead of training a fresh model on a finished dataset.
+TRAINING_DONE_REFUSAL = "training done:"
+
+
+class TrainingDone(DlfleetError):
+    """The job's training finished: no round forms any more."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
 class StaleError(DlfleetError):
     """The request refers to a lease, round or incarnation that is no longer
     current. It was rejected and changed nothing."""

@@ -533,6 +533,11 @@ class Master:
         dataset. Keeps the valid paths reachable after examples that were
         accepted and dropped the node, closed the round or finished leases."""
         client = self.running.client
+        # An accepted Leave("succeeded") of the round's only member ends the
+        # training for good (joins are refused after it): the fuzzing goes on
+        # in a job whose training is not done. (Set on the master's loop, as
+        # a restarted master with a fresh journal would have it.)
+        self.read(lambda s: setattr(s.rendezvous.state, "done_reason", ""))
         node = self.node()
         if node is None:
             reply = client.register_node(job_name="job", node_name=NODE, local_world_size=1)

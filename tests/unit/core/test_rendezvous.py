@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.api.errors import TRAINING_DONE_REFUSAL, InvalidArgument, StaleError, TrainingDone
 from dlfleet.master.core.rendezvous import (
     Member,
     NodeDropped,
@@ -142,9 +142,28 @@ def test_a_finished_member_leaves_the_round_open_until_every_member_finished() -
     assert r.state.active is active  # b is still in its last steps
     events = r.remove("b", "succeeded", 20, close_round=False)
     assert any(isinstance(e, RoundClosed) and e.expected == () for e in events)
-    # A node that comes later (a relaunch) is not stuck behind a finished round.
-    round_ = formed(join(r, "c", 30)) or formed(r.tick(30 + LAST_CALL))
-    assert round_ is not None and [m.node_id for m in round_.members] == ["c"]
+    # The training is done: a node that comes later (a relaunch that was
+    # still starting) is told so instead of training afresh on its own.
+    with pytest.raises(TrainingDone, match=r"^training done: round 1 ended with every member"):
+        join(r, "c", 30)
+    assert r.state.active is None and not r.state.waiting
+    assert r.tick(30 + LAST_CALL) == []
+
+
+def test_nodes_waiting_when_the_last_member_finishes_are_refused_with_why() -> None:
+    r = rdzv(min_nodes=1, max_nodes=1)
+    journal = join(r, "a", 0) + r.tick(LAST_CALL)
+    journal += join(r, "b", LAST_CALL + 5)  # waits: the round is full
+    events = r.remove("a", "succeeded", LAST_CALL + 10, close_round=False)
+    dropped = [e for e in events if isinstance(e, NodeDropped)]
+    assert [e.node_id for e in dropped] == ["b"]
+    assert dropped[0].reason.startswith(TRAINING_DONE_REFUSAL)
+    assert not r.state.waiting and r.state.active is None
+    # A master that restarts replays it: the job stays done.
+    replay = Rendezvous(r.settings)
+    for event in journal + events:
+        replay.apply(RendezvousEvent.from_json(event.to_json()))
+    assert replay.state.done_reason == r.state.done_reason != ""
 
 
 def test_a_dead_member_closes_the_round_and_survivors_reform_without_last_call() -> None:
@@ -385,7 +404,10 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from("abcdefg"), lws=st.integers(1, 3))
     def join(self, node: str, lws: int) -> None:
-        self._record(self.r.join(node, lws, "h", 5, self.now))
+        try:
+            self._record(self.r.join(node, lws, "h", 5, self.now))
+        except TrainingDone:
+            assert self.r.state.done_reason  # only once a round ended complete
 
     @rule(node=st.sampled_from("abcdefg"))
     def dies(self, node: str) -> None:
@@ -427,6 +449,12 @@ class RendezvousMachine(RuleBasedStateMachine):
         assert s.active.world_size % cfg.node_unit == 0
         assert not {m.node_id for m in s.active.members} & set(s.waiting)
         assert s.finished < {m.node_id for m in s.active.members}  # all done: closed
+
+    @invariant()
+    def nothing_forms_or_waits_once_the_training_is_done(self) -> None:
+        s = self.r.state
+        if s.done_reason:
+            assert s.active is None and not s.waiting
 
     @invariant()
     def journal_replay_rebuilds_the_state(self) -> None:

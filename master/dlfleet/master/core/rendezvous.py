@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from dlfleet.api.errors import InvalidArgument, StaleError
+from dlfleet.api.errors import TRAINING_DONE_REFUSAL, InvalidArgument, StaleError, TrainingDone
 from dlfleet.master.settings import STANDALONE, check_node_unit, check_nodes
 
 MAX_KEEPER_ADDRESS = 1024
@@ -244,6 +244,9 @@ class RoundClosed(RendezvousEvent):
     round: int
     reason: str
     expected: tuple[str, ...]  # who should re-join: the surviving members
+    # Every member's workers finished: the job's training is done, and no
+    # round forms after this one.
+    complete: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,7 @@ class RendezvousState:
     dropped: dict[str, str] = field(default_factory=dict)  # node -> why, until it joins again
     closed_reason: str = ""
     finished: set[str] = field(default_factory=set)  # members of the active round
+    done_reason: str = ""  # set once a round closed complete: joins are refused
     # How many of `expected` are in `waiting`, and the join times of `waiting`
     # as heaps (earliest; latest, negated) whose stale entries are skipped
     # when they surface: so that a join costs O(log N), not a scan of the
@@ -380,6 +384,8 @@ class Rendezvous:
                 f"got {keeper_address[:100]!r}"
             )
         state = self.state
+        if state.done_reason:
+            raise TrainingDone(self._refusal())
         events: list[RendezvousEvent] = []
         active = state.active
         if active is not None and active.member(node_id) is not None:
@@ -415,7 +421,10 @@ class Rendezvous:
             else:
                 self._emit(events, MemberFinished(active.round, node_id))
                 if len(state.finished) == active.world_size:
-                    self._emit(events, RoundClosed(active.round, "every member finished", ()))
+                    reason = "every member finished"
+                    self._emit(events, RoundClosed(active.round, reason, (), complete=True))
+                    for waiting in list(state.waiting):
+                        self._emit(events, NodeDropped(waiting, self._refusal()))
         if node_id in state.waiting or node_id in state.expected:
             self._emit(events, NodeDropped(node_id, reason))
         events += self.tick(now_ms)
@@ -488,6 +497,10 @@ class Rendezvous:
 
     # --------------------------------------------------------------- queries
 
+    def _refusal(self) -> str:
+        """Why a join is refused once the training is done."""
+        return f"{TRAINING_DONE_REFUSAL} {self.state.done_reason}; no round forms any more"
+
     def assignment(self, node_id: str) -> Round | None:
         active = self.state.active
         if active is not None and active.member(node_id) is not None:
@@ -546,6 +559,8 @@ class Rendezvous:
             state.set_expected(set(event.expected) | set(state.waiting))
             state.active = None
             state.closed_reason = event.reason
+            if event.complete:
+                state.done_reason = f"round {event.round} ended with {event.reason}"
             state.finished = set()
         elif isinstance(event, MemberFinished):
             assert state.active is not None and state.active.round == event.round

@@ -20,7 +20,13 @@ from typing import Any
 
 from dlfleet.api.addresses import peer_host
 from dlfleet.api.diagnosis import FailureFacts, diagnose
-from dlfleet.api.errors import DlfleetError, InvalidArgument, StaleError
+from dlfleet.api.errors import (
+    TRAINING_DONE_REFUSAL,
+    DlfleetError,
+    InvalidArgument,
+    StaleError,
+    TrainingDone,
+)
 from dlfleet.api.serving.answers import bounded_details, rpc
 from dlfleet.api.status import status_number, status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
@@ -122,6 +128,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
                 return join_answer(round_, node_id)
             if node_id not in rdzv.state.waiting:
                 why = rdzv.state.dropped.get(node_id, "it left the rendezvous")
+                if why.startswith(TRAINING_DONE_REFUSAL):
+                    raise TrainingDone(why)
                 raise StaleError(f"join of {node_id} failed: {why}")
             await self.membership.news_for(node_id)
 

@@ -62,7 +62,7 @@ from dlfleet.api.env import (
     SPARE_ENV,
     TOKEN_ENV,
 )
-from dlfleet.api.errors import DlfleetError
+from dlfleet.api.errors import TRAINING_DONE_REFUSAL, DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.config import AgentConfig
@@ -413,6 +413,11 @@ class Agent:
             )
             joined = self._wait_for_round(pending)
         except DlfleetError as error:
+            if str(error).startswith(TRAINING_DONE_REFUSAL):
+                # The job's workers finished while this node was starting (a
+                # replacement that came up too late): nothing is left to train.
+                _log.info("nothing to do: %s", error)
+                return Succeeded()
             if str(error).startswith(RESTART_LOOP_REFUSAL):
                 # The master failed the job: its workers failed after every
                 # restore. Exit as a node whose training failed, so the job
