@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from harness import TOKEN, Running, run_ranks
 from torch.utils.data import Dataset
 
 from dlfleet.api.errors import InvalidArgument
-from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader
+from dlfleet.api.v1 import shards_pb2
+from dlfleet.worker.loader import LoaderEnvironment, ShardedDataLoader, streams
 
 pytestmark = pytest.mark.integration
 
@@ -229,3 +231,39 @@ def test_a_state_at_an_epochs_last_batch_resumes_in_the_next_epoch(
             expected = [6, 12, 0] if epoch == 0 else [12, 0, 0]
             assert [len(r) for r in rest] == expected
             assert sorted(rest[expected.index(12)]) == list(range(12))
+
+
+def test_the_state_a_loader_computes_itself_between_snapshots_is_the_masters(
+    start_master: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save per step does not ask the master for the loader's state each
+    time: in between, the loader computes it from the master's last answer.
+    Step by step, through an epoch's end and the dataset's, it equals the
+    state asked of the master at every step (the same data under two names)."""
+    running = start_master()
+    book = running.state.book
+    asks: list[str] = []  # the datasets of the snapshots the master answered
+
+    def counted(dataset: str, *args: Any) -> Any:
+        asks.append(dataset)
+        return type(book).snapshot(book, dataset, *args)
+
+    monkeypatch.setattr(book, "snapshot", counted)
+
+    def states(name: str, refresh_s: float) -> list[shards_pb2.DatasetSnapshot]:
+        monkeypatch.setattr(streams, "SNAPSHOT_REFRESH_S", refresh_s)
+        loader = ShardedDataLoader(
+            Records(40), 3, epochs=2, shard_size=7, name=name, environment=env(running)
+        )
+        with loader:
+            saved = [loader.state_dict() for _epoch in range(2) for _ in loader]
+        snapshots = [shards_pb2.DatasetSnapshot.FromString(s["snapshot"]) for s in saved]
+        for snapshot in snapshots:
+            snapshot.dataset = snapshot.spec_digest = ""  # the names differ
+        return snapshots
+
+    asked = states("asked", 0.0)  # the master answers every one
+    computed = states("computed", 3600.0)  # the master answers the first only
+    assert len(asked) == 2 * 14 and asked[13].epoch == 1 and asked[-1].finished
+    assert computed == asked
+    assert asks.count("asked") == 2 * 14 and asks.count("computed") == 1

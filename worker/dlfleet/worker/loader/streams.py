@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,10 @@ _log = logging.getLogger(__name__)
 
 ACK_FLUSH_TIMEOUT_S = 30.0
 QUICK_SNAPSHOT_S = 0.5  # a snapshot not answered within this is computed here
+# How long a sync-mode loader computes its snapshots itself from the master's
+# last one before asking the master again: a save per step would otherwise
+# wait for a round trip on every step.
+SNAPSHOT_REFRESH_S = 1.0
 
 
 class EpochStream(abc.ABC):
@@ -137,6 +142,7 @@ class LeasedStream(EpochStream):
             timeout_s=QUICK_SNAPSHOT_S, retry=RetryPolicy(attempts=1)
         )
         self._base: tuple[shards_pb2.DatasetSnapshot, int] | None = None  # the last, its mark
+        self._base_until = 0.0  # monotonic time: the base is asked for again after it
 
     @property
     def started(self) -> bool:
@@ -191,13 +197,25 @@ class LeasedStream(EpochStream):
             self.ledger.wait_acked(ACK_FLUSH_TIMEOUT_S)
 
     def snapshot(self) -> shards_pb2.DatasetSnapshot:
-        """The master's snapshot as of the completed batches. In sync mode,
-        a master that does not answer at once (it restarts) is not waited
-        for: the snapshot is computed from the last one it gave and what was
-        trained since (snapshot.py), so checkpoints go on without it."""
+        """The master's snapshot as of the completed batches. In sync mode
+        it is computed here from the last one the master gave and what was
+        trained since (snapshot.py: in sync mode that is exactly what moves
+        the master); the master is asked again once SNAPSHOT_REFRESH_S have
+        passed (that save waits for the answer, the others in between do
+        not), which also bounds what the ledger keeps. A master that does not
+        answer at once then (it restarts) is not waited for: checkpoints go
+        on without it."""
         self.complete_received()
         if self.mode is not LoaderMode.SYNC:
             return self.client.snapshot(self.dataset, progress=self.ledger.progress())
+        if self._base is not None and time.monotonic() < self._base_until:
+            base, since = self._base
+            return local_snapshot(
+                base,
+                self.ledger.trained_since(since),
+                epoch_length=self.epoch_length,
+                epochs=self.epochs,
+            )
         mark = self.ledger.ack_mark()
         progress = self.ledger.progress()
         if self._base is not None:
@@ -220,6 +238,7 @@ class LeasedStream(EpochStream):
         else:  # the first: nothing to compute one from
             snap = self.client.snapshot(self.dataset, round=self.env.round, progress=progress)
         self._base = (snap, mark)
+        self._base_until = time.monotonic() + SNAPSHOT_REFRESH_S
         self.ledger.forget_acked(mark)
         return snap
 
