@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -288,3 +289,36 @@ def test_a_meta_tensor_is_refused_with_its_key(tmp_path: Path) -> None:
 def test_the_files_module_imports_no_torch() -> None:
     code = "import sys, dlfleet.worker.checkpoint.files; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
+
+
+def blob_value(source: image.ImageSource, fqn: str) -> Any:
+    (item,) = [i for i in source.header.items if i.fqn == fqn]
+    return torch.load(io.BytesIO(source.blob(item)), weights_only=False)
+
+
+def test_plain_values_are_serialized_again_only_when_they_change_type_for_type(
+    tmp_path: Path,
+) -> None:
+    """A writer keeps the bytes of the last image's plain values; each image
+    still holds the values of its own state."""
+    values: list[object] = [0.1, 0.1, 0.2, 1, 1.0, True, 0.0, -0.0, [1, 2], [1, 2, 3], (1, 2)]
+    items = [1, 2] * 300  # more leaves than BlobCache holds: serialized each time
+    with ImageWriter(tmp_path, rank=0, slots=1) as writer:
+        for step, value in enumerate(values):
+            state = {"w": torch.ones(2), "lr": value, "big": items}
+            saved = writer.write(step, state, round=0, world_size=1, protect=None)
+            source = LocalImage(saved.header_path)
+            got = blob_value(source, "lr")
+            assert (got, type(got)) == (value, type(value))
+            assert str(got) == str(value)  # -0.0 stays -0.0
+            assert blob_value(source, "big") == items
+            items.append(step)  # changed in place, after the save
+
+
+def test_a_value_changed_in_place_after_a_save_is_serialized_again(tmp_path: Path) -> None:
+    ids = [0, 1]
+    with ImageWriter(tmp_path, rank=0, slots=1) as writer:
+        writer.write(0, {"ids": ids}, round=0, world_size=1, protect=None)
+        ids.append(2)
+        saved = writer.write(1, {"ids": ids}, round=0, world_size=1, protect=None)
+        assert blob_value(LocalImage(saved.header_path), "ids") == [0, 1, 2]

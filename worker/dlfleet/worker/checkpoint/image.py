@@ -202,6 +202,7 @@ class ImageWriter:
         self.rank = rank
         self._pin = pin_memory
         self._slots = [_Slot(directory / files.body_name(rank, s)) for s in range(slots)]
+        self._blobs = BlobCache()
         self._pending: PendingImage | None = None
         self._presence = Presence(directory, rank) if presence else None
         # A restarted worker finds the images of its predecessor: they may hold the
@@ -275,7 +276,9 @@ class ImageWriter:
             and world_size % stripe.local_world == 0
         ):
             raise ValueError(f"{stripe} does not fit a world of {world_size}")
-        planned, paths = _plan(with_skeleton(materialize(state_dict)), self.rank, stripe)
+        planned, paths = _plan(
+            with_skeleton(materialize(state_dict)), self.rank, stripe, self._blobs
+        )
         nbytes = max(
             (p.record.offset + p.record.length for p in planned), default=files.PREAMBLE_BYTES
         )
@@ -614,10 +617,66 @@ class BytesImage(_BufferImage):
         return None  # the bytes are ours
 
 
+class BlobCache:
+    """The serialized bytes of the plain values of the last image (a learning
+    rate, betas, an epoch, a list of parameter ids): each is a `torch.save`
+    of its own, together most of a small state's save, and most do not change
+    from step to step. A value is served from here only when it equals the
+    one the bytes were made of, type for type (so 1, 1.0 and True differ)."""
+
+    MAX_LEAVES = 256  # larger values are serialized each time
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[object, bytes]] = {}
+
+    def serialized(self, fqn: str, value: object, make: Callable[[], io.BytesIO]) -> memoryview:
+        key = _plain_key(value, [self.MAX_LEAVES])
+        held = self._held.get(fqn)
+        if key is not None and held is not None and held[0] == key:
+            return memoryview(held[1])
+        blob = make()
+        if key is None:
+            self._held.pop(fqn, None)
+            return blob.getbuffer()
+        data = blob.getvalue()
+        self._held[fqn] = (key, data)
+        return memoryview(data)
+
+
+_PLAIN_TYPES = (int, float, bool, str, bytes, type(None))
+
+
+def _plain_key(value: object, budget: list[int]) -> object | None:
+    """`value` as nested tuples that compare equal only for an equal value of
+    the same types; None for a value that is not made of plain leaves, or of
+    more than `budget[0]` of them."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return None
+    kind = type(value)
+    if kind is float:  # -0.0 == 0.0, yet they are saved apart
+        return (kind, value, math.copysign(1.0, cast(float, value)))
+    if kind in _PLAIN_TYPES:
+        return (kind, value)
+    if kind is list or kind is tuple:
+        items = []
+        for item in cast(Sequence[object], value):
+            key = _plain_key(item, budget)
+            if key is None:
+                return None
+            items.append(key)
+        return (kind, tuple(items))
+    return None
+
+
 def _plan(
-    state_dict: StateDict, rank: int, stripe: Stripe | None = None
+    state_dict: StateDict,
+    rank: int,
+    stripe: Stripe | None = None,
+    blobs: BlobCache | None = None,
 ) -> tuple[list[_Planned], dict[str, files.ObjectPath]]:
-    """DCP's local save plan of `state_dict`, laid out in a body: tensors first, then blobs."""
+    """DCP's local save plan of `state_dict`, laid out in a body: tensors
+    first, then blobs (serialized again only when they changed, with `blobs`)."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=rank == 0)
     plan = planner.create_local_plan()
@@ -627,9 +686,17 @@ def _plan(
     items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
-            blob = planner.resolve_data(item)
-            assert isinstance(blob, io.BytesIO)  # DCP's planner torch.saves bytes items
-            data: torch.Tensor | memoryview = blob.getbuffer()
+
+            def serialize(item: WriteItem = item) -> io.BytesIO:
+                blob = planner.resolve_data(item)
+                assert isinstance(blob, io.BytesIO)  # DCP's planner torch.saves bytes items
+                return blob
+
+            data: torch.Tensor | memoryview = (
+                blobs.serialized(item.index.fqn, flat[item.index.fqn], serialize)
+                if blobs is not None
+                else serialize().getbuffer()
+            )
             record = ItemRecord(
                 fqn=item.index.fqn,
                 kind=ItemKind.BYTES,
