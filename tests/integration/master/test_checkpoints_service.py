@@ -16,7 +16,7 @@ import pytest
 import torch
 from harness import TOKEN, Running
 
-from dlfleet.api.client import MasterClient
+from dlfleet.api.client import MasterClient, join_request
 from dlfleet.api.env import CHECKPOINT_DIR_ENV, MASTER_ENV, TOKEN_ENV
 from dlfleet.api.errors import InvalidArgument, StaleError, Unauthenticated
 from dlfleet.api.status import TOKEN_METADATA_KEY
@@ -337,6 +337,54 @@ def test_join_tells_each_member_the_next_keeper_by_group_rank(master: Running) -
     state = client.rendezvous_state()
     assert list(state.keeper_addresses) == ["127.0.0.1:7123"]
     assert list(state.members) == [a[0]]
+
+
+def test_a_step_committed_by_another_nodes_report_is_pushed_to_the_waiting_members(
+    start_master: Callable[..., Running],
+) -> None:
+    """A save's answer waits for its step's commit: the node whose report
+    came first hears of the commit on its session when the other node's
+    report makes it, not with its own next report."""
+    running = start_master(
+        MasterSettings(
+            job_name="job",
+            rendezvous=RendezvousSettings(min_nodes=2, max_nodes=2, last_call_timeout_ms=0),
+        )
+    )
+    client = running.client
+    a, b = register(client, "a", "b")
+    heard: dict[str, list[tuple[int, int]]] = {a[0]: [], b[0]: []}
+    told = threading.Event()
+    sessions = []
+    for node in (a, b):
+        session = client.agent_session(node[0], node[1], 1.0)
+
+        def tell(committed: int, replicated: int, name: str = node[0]) -> None:
+            heard[name].append((committed, replicated))
+            told.set()
+
+        session.on_checkpoint_progress = tell
+        sessions.append(session)
+    try:
+        joins = [
+            s.join_future(join_request(n[0], n[1], 1, "127.0.0.1", 29500 + i))
+            for i, (s, n) in enumerate(zip(sessions, (a, b), strict=True))
+        ]
+        round_ = {f.result(timeout=10).round for f in joins}
+        assert round_ == {1}
+        for session in sessions:
+            session.round = 1  # as the agent sets it on joining
+        assert client.report_checkpoint(report(a, 10, [copy(0, a)])).committed_step == -1
+        assert client.report_checkpoint(report(b, 10, [copy(1, b)])).committed_step == 10
+        assert told.wait(5), "no progress pushed"
+        assert heard == {a[0]: [(10, -1)], b[0]: []}  # b has it in its answer
+        # Nothing moved: nothing is pushed again.
+        client.report_checkpoint(report(b, 10, [copy(1, b)]))
+        time.sleep(0.2)
+        assert heard[a[0]] == [(10, -1)]
+    finally:
+        for session in sessions:
+            session.close()
 
 
 # ----------------------------------------------------------------- refusals

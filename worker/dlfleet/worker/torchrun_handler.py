@@ -172,6 +172,7 @@ class DlfleetRendezvousHandler(RendezvousHandler):
             host=self._bind,
             published=self._host,
             threads=KEEPER_THREADS,
+            session=self._session,
         )
 
     def _choose_address(self, master_saw: str | None) -> None:

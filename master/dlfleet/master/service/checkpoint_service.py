@@ -31,13 +31,17 @@ from dlfleet.master.core.checkpoints import (
 from dlfleet.master.core.restart_loop import BreakerEvent
 from dlfleet.master.service import wire
 from dlfleet.master.service.executor import Executor
+from dlfleet.master.service.membership import Membership
 from dlfleet.master.service.state import MasterState
 
 
 class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):
-    def __init__(self, state: MasterState, executor: Executor) -> None:
+    def __init__(
+        self, state: MasterState, executor: Executor, membership: Membership | None = None
+    ) -> None:
         self.state = state
         self.commit = executor.commit
+        self.membership = membership  # tells the round's nodes what a report moved
 
     def _check_formed(self, round_: int) -> None:
         last = self.state.rendezvous.state.last_round
@@ -57,6 +61,10 @@ class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):
         answer, events = self.state.checkpoints.report(report)
         reached = self.state.checkpoints.committed_in_round(report.round)
         await self.commit([*events, *self.state.breaker.progress(report.round, reached)])
+        if self.membership is not None:
+            self.membership.tell_checkpoint_progress(
+                report.round, answer.committed_step, answer.replicated_step, request.node_id
+            )
         return checkpoint_pb2.CheckpointReportResponse(
             committed_step=answer.committed_step, replicated_step=answer.replicated_step
         )

@@ -405,7 +405,7 @@ class MasterServer:
             server,
         )
         checkpoint_pb2_grpc.add_CheckpointsServicer_to_server(
-            CheckpointsService(self.state, executor), server
+            CheckpointsService(self.state, executor, membership), server
         )
         node_check = NodeCheckService(self.state, self.clock, membership)
         nodecheck_pb2_grpc.add_NodeCheckServicer_to_server(node_check, server)

@@ -9,6 +9,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,9 @@ class AgentSession:
         self._metrics_at = 0.0
         # Set by the agent once its workers run `dlfleet.elastic.run`.
         self.restarts_in_place = False
+        # Told the newest (committed, replicated) steps of the node's round
+        # when another node's report moved them (called on the I/O loop).
+        self.on_checkpoint_progress: Callable[[int, int], None] | None = None
         # When the last heartbeat went out (time.monotonic()), 0 before the first.
         self.last_beat_s = 0.0
         self._silent = False
@@ -133,6 +137,13 @@ class AgentSession:
         later adds the time since to the ages they tell."""
         self._metrics, self._metrics_at = metrics, time.monotonic()
 
+    def _checkpoint_progress(self, progress: rendezvous_pb2.CheckpointProgress) -> None:
+        """Only about this node's current round: an earlier round's steps
+        may be ones a restore abandoned."""
+        tell = self.on_checkpoint_progress
+        if tell is not None and progress.round == self.round:
+            tell(progress.committed_step, progress.replicated_step)
+
     async def _run(self) -> None:
         try:
             await self._stream()
@@ -152,6 +163,8 @@ class AgentSession:
                         self.check_pairs.put(event.node_check_pair)
                     elif event.HasField("joined"):
                         self._answered(event.joined)
+                    elif event.HasField("checkpoint"):
+                        self._checkpoint_progress(event.checkpoint)
                     elif event.HasField("re_rendezvous"):
                         self._master_joined(event.re_rendezvous, call)
                         self.events.put(pushed(event.re_rendezvous))

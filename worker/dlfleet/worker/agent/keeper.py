@@ -384,6 +384,17 @@ class ImageKeeper:
             if (held.header.round, held.header.step) >= (round_, step)
         )
 
+    def heard_progress(self, committed_step: int, replicated_step: int) -> None:
+        """The master pushed the current round's newest committed and
+        replicated steps (another node's report moved them): the saves
+        waiting for them are answered now. Only ever forward: the answers to
+        this node's own reports carry the master's word after a restore."""
+        with self._commits:
+            self._master_away = False
+            self._committed = max(self._committed, committed_step)
+            self._replicated_step = max(self._replicated_step, replicated_step)
+            self._commits.notify_all()
+
     def _heard(self, replicated_step: int) -> None:
         """The master's word on the newest replicated step (not a maximum: a
         restore abandons the steps after it)."""

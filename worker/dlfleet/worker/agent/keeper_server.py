@@ -23,7 +23,7 @@ from typing import Protocol
 import grpc
 
 from dlfleet.api.addresses import with_port
-from dlfleet.api.client import MasterClient
+from dlfleet.api.client import AgentSession, MasterClient
 from dlfleet.api.serving.tokens import TokenCheck
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.agent.keeper import ImageKeeper
@@ -178,10 +178,12 @@ def start_keeper(
     host: str,
     published: str,
     threads: int,
+    session: AgentSession | None = None,
 ) -> tuple[AgentServer, ImageKeeper]:
     """A node's image keeper and the server its workers and peers reach it
     on (the workers at `worker_endpoint(name)`), started: dlworker's agent
-    and torchrun's dlfleet rendezvous handler each run one."""
+    and torchrun's dlfleet rendezvous handler each run one. The node's
+    `session` brings the keeper the checkpoint progress the master pushes."""
     service = KeeperService(orders)
     server = AgentServer(
         service,
@@ -199,5 +201,7 @@ def start_keeper(
         address=server.peer_address,
     )
     service.images = keeper
+    if session is not None:
+        session.on_checkpoint_progress = keeper.heard_progress
     server.start()
     return server, keeper

@@ -387,6 +387,7 @@ class Agent:
             host=self.bind_host,
             published=self.host,
             threads=2 * (self.config.nproc_per_node + self.config.spares) + 8,
+            session=self.session,
         )
 
     # ------------------------------------------------------------- phases
