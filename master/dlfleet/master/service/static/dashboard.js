@@ -241,11 +241,20 @@ function eventMarks(concerns) {
 
 // ------------------------------------------------------------------ datasets
 
-function datasetEta(entry, ds) {
+// A dataset's records/s and ETA (null: not known yet). While it is the only
+// one training, they are the job's own (samples/s and ETA from the master's
+// status, as `dlmaster status` shows them): one rate and one ETA on the page.
+// Otherwise, its records done over the last seconds.
+function datasetPace(ds, doc, training, history) {
   const remaining = num(ds.records_total) - num(ds.records_done);
-  if (remaining <= 0) return 0;
-  const rate = rateOf(entry.history);
-  return rate && rate > 0 ? remaining / rate : null;
+  if (remaining <= 0) return { rate: null, eta: 0 };
+  const jobRate = num(doc.samples_per_second);
+  if (training === 1 && jobRate > 0) {
+    const told = doc.eta_seconds !== undefined && num(doc.eta_seconds) >= 0;
+    return { rate: jobRate, eta: told ? num(doc.eta_seconds) : remaining / jobRate };
+  }
+  const rate = rateOf(history);
+  return { rate, eta: rate !== null && rate > 0 ? remaining / rate : null };
 }
 
 function renderDatasets(doc, now) {
@@ -255,6 +264,7 @@ function renderDatasets(doc, now) {
   if (box.querySelector(".empty")) box.replaceChildren();
   let jobEta = 0;
   let known = true;
+  const training = datasets.filter((ds) => num(ds.records_total) > num(ds.records_done)).length;
   for (const ds of datasets) {
     let entry = state.datasets.get(ds.name);
     if (!entry) {
@@ -302,10 +312,9 @@ function renderDatasets(doc, now) {
     const finished = total > 0 && done >= total;
     setText(parts.epoch, finished ? `${epochs} epoch${epochs === 1 ? "" : "s"}, done` : `epoch ${num(ds.epoch) + 1} of ${epochs}`);
     setText(parts.records, `${fmtInt(done)} / ${fmtInt(total)} records`);
-    const rate = rateOf(entry.history);
+    const { rate, eta } = datasetPace(ds, doc, training, entry.history);
     setText(parts.rate, rate !== null ? `${fmtRate(rate)} records/s` : "");
     setText(parts.failed, num(ds.failed_shards) > 0 ? `${ds.failed_shards} failed shards` : "");
-    const eta = datasetEta(entry, ds);
     setText(parts.eta, finished ? "finished" : eta !== null ? `ETA ${fmtDuration(eta)}` : "ETA measuring…");
     if (eta === null) known = false;
     else jobEta = Math.max(jobEta, eta);
