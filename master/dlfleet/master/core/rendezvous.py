@@ -421,8 +421,8 @@ class Rendezvous:
             else:
                 self._emit(events, MemberFinished(active.round, node_id))
                 if len(state.finished) == active.world_size:
-                    reason = "every member finished"
-                    self._emit(events, RoundClosed(active.round, reason, (), complete=True))
+                    closed = RoundClosed(active.round, "every member finished", (), complete=True)
+                    self._emit(events, closed)
                     for waiting in list(state.waiting):
                         self._emit(events, NodeDropped(waiting, self._refusal()))
         if node_id in state.waiting or node_id in state.expected:
