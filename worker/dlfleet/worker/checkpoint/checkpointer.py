@@ -29,6 +29,15 @@ rank copying one part: a save blocks 1/n as long with n ranks per node, and
 the node's memory holds one copy of the replicated state instead of n. The
 node's images together (and the peer's replica of them) hold it whole.
 
+How often: `every=k` saves the steps that are multiples of k (the others
+return at once; `due(step)` says which, so a script can skip building the
+state). `every="auto"` saves every step of a round's first AUTO_SAMPLES, then
+every k steps, k the smallest that keeps a save's blocking under
+AUTO_TARGET of the training time (1 on long steps); the ranks agree on the
+largest k any of them needs (one all-reduce, at the same step on every
+rank), and rank 0 logs what was chosen and why. A failure then loses at most
+k steps.
+
 Persistence: at the saves of steps that are multiples of `persist_every`
 and at `close()` (each step once: a due last step is not written again), a
 background thread writes the image into `persist_dir/step-<N>/` in the
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import shutil
@@ -117,6 +127,9 @@ PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
 # On SIGTERM, within the agent's grace period (10 s) before its SIGKILL.
 SIGTERM_PERSIST_S = 5.0
 _WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
+AUTO_SAMPLES = 16  # saves measured at the start of each round by every="auto"
+AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves block
+AUTO_MAX_EVERY = 10_000
 _CALL_TIMEOUT_S = 10.0
 _TIMES_KEPT = 16  # images whose times image_times() still knows
 _CLAIMS_KEPT = 16  # the newest steps this rank wrote, or handed to its persister
@@ -141,6 +154,11 @@ class ImageTimes:
 
 
 class Checkpointer:
+    # every="auto": (blocked s, step s) of this round's measured saves, and
+    # the (time, step) of the last call to save().
+    _auto_samples: list[tuple[float, float]]
+    _last_call: tuple[float, int] | None
+
     def __init__(
         self,
         *,
@@ -150,11 +168,9 @@ class Checkpointer:
         commit_wait_s: float = 3.0,
         stripe_replicated: bool = True,
         overlap: bool = True,
+        every: int | str = 1,
     ) -> None:
-        if persist_every < 0:
-            raise ValueError(f"persist_every must be >= 0 (0: never), got {persist_every}")
-        if keep_persisted < 1:
-            raise ValueError(f"keep_persisted must be >= 1, got {keep_persisted}")
+        self._set_cadence(every, persist_every, keep_persisted)
         self.persist_every = persist_every
         default_root = Path(os.environ.get(WORKDIR_ENV, ".")) / "checkpoints"
         self.persist_dir = Path(persist_dir) if persist_dir is not None else default_root
@@ -251,14 +267,19 @@ class Checkpointer:
         elastic.check()
         started = time.perf_counter()
         rank, world, round_ = _context()
-        self._check_location(round_)
         if round_ != self._round:  # a new round that did not load(): its answers count
             with self._acked:
                 self._round = round_
+            self._start_auto()
+        called = self._last_call
+        self._last_call = (started, step)
+        if not self.due(step):
+            return
+        self._check_location(round_)
         self._settle()
         writer = self._writer_for(rank)
         self._wait_for_commit(self._last_saved)
-        persist_due = bool(self.persist_every) and step % self.persist_every == 0
+        persist_due = bool(self.persist_every) and self._persist_due(step)
         if persist_due:  # every rank persists the same steps: the previous one first
             self._wait(lambda: self._persisting is None, None)
         with self._lock:
@@ -284,6 +305,67 @@ class Checkpointer:
         blocked = time.perf_counter() - started + held
         self.blocked_s += blocked
         progress.saved(step, blocked)
+        if self.auto and called is not None and step > called[1]:
+            self._measure(blocked, (started - called[0]) / (step - called[1]), step, rank)
+
+    def _set_cadence(self, every: int | str, persist_every: int, keep_persisted: int) -> None:
+        if persist_every < 0:
+            raise ValueError(f"persist_every must be >= 0 (0: never), got {persist_every}")
+        if keep_persisted < 1:
+            raise ValueError(f"keep_persisted must be >= 1, got {keep_persisted}")
+        if every != "auto" and not (isinstance(every, int) and every >= 1):
+            raise ValueError(f'every must be a step count >= 1 or "auto", got {every!r}')
+        self.auto = every == "auto"
+        # The save interval in steps (under "auto": 1 until chosen in a round).
+        self.every = 1 if isinstance(every, str) else every
+        self._auto_samples = []
+        self._last_call = None
+
+    def due(self, step: int) -> bool:
+        """Whether `save(step, ...)` saves (every rank answers the same)."""
+        return step % self.every == 0
+
+    def _persist_due(self, step: int) -> bool:
+        """Every rank persists the same saves: each one that reaches a new
+        multiple of `persist_every` (with `every` 1, the multiples themselves)."""
+        if step % self.persist_every == 0 or self.every == 1 or self._last_saved < 0:
+            return step % self.persist_every == 0
+        return step // self.persist_every > self._last_saved // self.persist_every
+
+    def _start_auto(self) -> None:
+        """A new round measures again: its ranks start together."""
+        if self.auto:
+            self.every = 1
+            self._auto_samples = []
+            self._last_call = None
+
+    def _measure(self, blocked_s: float, step_s: float, step: int, rank: int) -> None:
+        """every="auto": keep a round's first AUTO_SAMPLES saves' costs, then
+        choose the interval with the other ranks (the same save on every
+        rank: they all save every step until then)."""
+        if self.every != 1 or len(self._auto_samples) >= AUTO_SAMPLES:
+            return
+        self._auto_samples.append((blocked_s, step_s))
+        if len(self._auto_samples) < AUTO_SAMPLES:
+            return
+        blocked = _median([b for b, _ in self._auto_samples])
+        training = max(_median([t for _, t in self._auto_samples]) - blocked, 1e-6)
+        needed = math.ceil(blocked / (AUTO_TARGET * training))
+        every = _agreed_max(min(max(needed, 1), AUTO_MAX_EVERY))
+        self.every = every
+        if rank == 0:
+            _log.info(
+                'every="auto": saving every %d step(s) from step %d on: a save blocked '
+                "%.2f ms of steps that train %.2f ms (median of %d); at most %.0f%% of the "
+                "time goes to saves, a failure loses at most %d step(s)",
+                every,
+                step,
+                blocked * 1000,
+                training * 1000,
+                AUTO_SAMPLES,
+                AUTO_TARGET * 100,
+                every,
+            )
 
     def _settle(self, *, raise_error: bool = True) -> None:
         """Until the previous save's image is finished (normally long ago);
@@ -718,6 +800,7 @@ class Checkpointer:
             base = restored.step if restored is not None else -1
             self._committed = self._announced = self._last_saved = base
             self._round = _context()[2]
+        self._start_auto()
         return restored
 
     def _load(self, state: dict[str, Any] | None) -> Restored | None:
@@ -1036,3 +1119,24 @@ def _all_agree(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _agreed_max(value: int) -> int:
+    """The largest `value` of the ranks of the default group (one all-reduce;
+    every rank calls it at the same save), or `value` alone without one."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return value
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    agreed = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed.item())

@@ -1,0 +1,71 @@
+"""`Checkpointer(every=k)` saves the multiples of k and persists the saves
+that reach a new multiple of `persist_every`; `every="auto"` measures a
+round's first saves, then saves as rarely as keeps their blocking under its
+target. One process, no agent, no group (the ranks' agreement is checked in
+tests/integration/checkpoint/test_save_interval_ranks.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, MASTER_ENV
+from dlfleet.worker.checkpoint import checkpointer as module
+from dlfleet.worker.checkpoint.checkpointer import Checkpointer
+from dlfleet.worker.checkpoint.persist import step_folder
+
+
+@pytest.fixture(autouse=True)
+def alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (MASTER_ENV, CHECKPOINT_DIR_ENV, "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_every_k_saves_the_multiples_and_persists_each_save_past_a_new_multiple(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "disk"
+    with Checkpointer(every=3, persist_every=4, persist_dir=root, keep_persisted=10) as ckpt:
+        assert [s for s in range(1, 13) if ckpt.due(s)] == [3, 6, 9, 12]
+        for step in range(1, 13):
+            ckpt.save(step, {"w": torch.full((2,), float(step))})
+        assert ckpt.saves == 4
+        image = ckpt.last_image
+        assert image is not None and image.step == 12
+    # Saves 6 (past 4), 9 (past 8) and 12 (a multiple); not 3.
+    persisted = [s for s in (3, 6, 9, 12) if step_folder(root, s).is_dir()]
+    assert persisted == [6, 9, 12]
+
+
+@pytest.mark.parametrize("every", [0, -2, "often", 1.5])
+def test_a_bad_interval_is_refused_naming_it(every: object) -> None:
+    with pytest.raises(ValueError, match="every must be a step count >= 1"):
+        Checkpointer(every=every)  # type: ignore[arg-type]
+
+
+def test_auto_saves_every_step_while_it_measures_then_as_its_cost_allows(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of ~5 ms and a save of about a millisecond: past the measured
+    saves it saves every k > 1 steps, says why, and a new round measures again."""
+    monkeypatch.setattr(module, "AUTO_SAMPLES", 6)
+    caplog.set_level(logging.INFO, logger="dlfleet.checkpoint")
+    saved: list[int] = []
+    with Checkpointer(every="auto") as ckpt:
+        for step in range(1, 60):
+            before = ckpt.saves
+            ckpt.save(step, {"w": torch.full((1024,), float(step))})
+            if ckpt.saves > before:
+                saved.append(step)
+            time.sleep(0.005)
+        every = ckpt.every
+        assert every > 1
+        assert saved[:7] == list(range(1, 8))  # 6 measured: the 7th chose
+        assert all(step % every == 0 for step in saved[7:])
+        assert f'every="auto": saving every {every} step(s) from step 7 on' in caplog.text
+        ckpt.load()  # a new round's restore: it measures again
+        assert ckpt.every == 1
