@@ -353,8 +353,8 @@ class Checkpointer:
         needed = math.ceil(blocked / (AUTO_TARGET * training))
         every = _agreed_max(min(max(needed, 1), AUTO_MAX_EVERY))
         self.every = every
-        if rank == 0:
-            _log.info(
+        if rank == 0:  # shown without any logging set up: it bounds what a failure loses
+            _log.warning(
                 'every="auto": saving every %d step(s) from step %d on: a save blocked '
                 "%.2f ms of steps that train %.2f ms (median of %d); at most %.0f%% of the "
                 "time goes to saves, a failure loses at most %d step(s)",
