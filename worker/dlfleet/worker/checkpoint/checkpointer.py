@@ -64,6 +64,7 @@ import queue
 import shutil
 import signal
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -328,7 +329,7 @@ class Checkpointer:
     def _persist_due(self, step: int) -> bool:
         """Every rank persists the same saves: each one that reaches a new
         multiple of `persist_every` (with `every` 1, the multiples themselves)."""
-        if step % self.persist_every == 0 or self.every == 1 or self._last_saved < 0:
+        if self.every == 1 or self._last_saved < 0:
             return step % self.persist_every == 0
         return step // self.persist_every > self._last_saved // self.persist_every
 
@@ -348,8 +349,8 @@ class Checkpointer:
         self._auto_samples.append((blocked_s, step_s))
         if len(self._auto_samples) < AUTO_SAMPLES:
             return
-        blocked = _median([b for b, _ in self._auto_samples])
-        training = max(_median([t for _, t in self._auto_samples]) - blocked, 1e-6)
+        blocked = statistics.median_high(b for b, _ in self._auto_samples)
+        training = max(statistics.median_high(t for _, t in self._auto_samples) - blocked, 1e-6)
         needed = math.ceil(blocked / (AUTO_TARGET * training))
         every = _agreed_max(min(max(needed, 1), AUTO_MAX_EVERY))
         self.every = every
@@ -1111,32 +1112,25 @@ def _agree_step(step: int) -> int:
 
 
 def _all_agree(ok: bool) -> bool:
-    if _group_size() == 1:
-        return ok
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return _all_reduced(1 if ok else 0, "MIN") == 1
 
 
 def _agreed_max(value: int) -> int:
-    """The largest `value` of the ranks of the default group (one all-reduce;
-    every rank calls it at the same save), or `value` alone without one."""
+    """The largest `value` of the ranks (every rank calls it at the same save)."""
+    return _all_reduced(value, "MAX")
+
+
+def _all_reduced(value: int, op: str) -> int:
+    """`value` reduced by `op` over the default group (one all-reduce), or
+    `value` alone without a group."""
+    if _group_size() == 1:
+        return value
     import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return value
     device = torch.device("cpu")
     if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    agreed = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return int(agreed.item())
+    reduced = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op))
+    return int(reduced.item())

@@ -209,38 +209,36 @@ class LeasedStream(EpochStream):
         if self.mode is not LoaderMode.SYNC:
             return self.client.snapshot(self.dataset, progress=self.ledger.progress())
         if self._base is not None and time.monotonic() < self._base_until:
-            base, since = self._base
-            return local_snapshot(
-                base,
-                self.ledger.trained_since(since),
-                epoch_length=self.epoch_length,
-                epochs=self.epochs,
-            )
+            return self._computed(self._base)
         mark = self.ledger.ack_mark()
         progress = self.ledger.progress()
         if self._base is not None:
             try:
                 snap = self._quick.snapshot(self.dataset, round=self.env.round, progress=progress)
             except Unavailable as exc:
-                base, since = self._base
                 _log.info(
                     "dataset %r: the master did not answer a snapshot (%s); computed it from "
                     "the last one and the leases trained since",
                     self.dataset,
                     exc,
                 )
-                return local_snapshot(
-                    base,
-                    self.ledger.trained_since(since),
-                    epoch_length=self.epoch_length,
-                    epochs=self.epochs,
-                )
+                return self._computed(self._base)
         else:  # the first: nothing to compute one from
             snap = self.client.snapshot(self.dataset, round=self.env.round, progress=progress)
         self._base = (snap, mark)
         self._base_until = time.monotonic() + SNAPSHOT_REFRESH_S
         self.ledger.forget_acked(mark)
         return snap
+
+    def _computed(self, base: tuple[shards_pb2.DatasetSnapshot, int]) -> shards_pb2.DatasetSnapshot:
+        """The snapshot from the master's last one and what was trained since."""
+        snapshot, since = base
+        return local_snapshot(
+            snapshot,
+            self.ledger.trained_since(since),
+            epoch_length=self.epoch_length,
+            epochs=self.epochs,
+        )
 
     def forget_base(self) -> None:
         """The dataset was put back (a restore): the last snapshot is history."""
