@@ -23,14 +23,16 @@ them while the next step runs), the others `{"model": model.state_dict(),
 "optim": optimizer.state_dict()}`.
 
 Per method, a trial runs `--warmup` untimed saves (the first saves allocate:
-dlfleet's two image slots, the page cache) and then `--saves` timed ones, one
+dlfleet's image slots, the page cache) and then `--saves` timed ones, one
 training step before each. The blocking time of a save is what the training
 thread waits for:
 
 * dlfleet: `Checkpointer.save(step, state)` (persist_every=0, in memory only),
-  under the real agent and master, so its path includes the notice to the
-  agent and the wait for the previous step's commit; plus the time the next
-  step's optimizer.step() waited for the overlapped copy;
+  under the real agent and master, so its path includes the wait for a free
+  image slot (the agent's word that an older step is committed and
+  replicated: with states this large only two or three slots fit the slots'
+  memory bound); plus the time the next step's optimizer.step() waited for
+  the overlapped copy;
 * torch_save: on rank 0 only, as DDP users do (the state is replicated; the
   other rank waits at the next step's all_reduce), `torch.save` into a new
   file in the trial's workdir (`--workdir`, default the system's temporary
@@ -55,8 +57,8 @@ the page cache (a cold read from the disk, posix_fadvise DONTNEED) and then
 again (from the page cache). Times are the slower rank's.
 
 Memory: per method, the peak anonymous and shared-memory resident set of a
-rank, and the peak size of the agent's image folder in /dev/shm (its two image
-slots per rank stay allocated for the whole run).
+rank, and the peak size of the agent's image folder in /dev/shm (its image slots
+per rank stay allocated for the whole run).
 
 Per trial also: a plain memcpy of the state (one thread), the copy's limit
 here; and steps/s with a checkpoint after every step — none, dlfleet, and

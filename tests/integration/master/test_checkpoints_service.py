@@ -353,14 +353,14 @@ def test_a_step_committed_by_another_nodes_report_is_pushed_to_the_waiting_membe
     )
     client = running.client
     a, b = register(client, "a", "b")
-    heard: dict[str, list[tuple[int, int]]] = {a[0]: [], b[0]: []}
+    heard: dict[str, list[tuple[int, int, int]]] = {a[0]: [], b[0]: []}
     told = threading.Event()
     sessions = []
     for node in (a, b):
         session = client.agent_session(node[0], node[1], 1.0)
 
-        def tell(committed: int, replicated: int, name: str = node[0]) -> None:
-            heard[name].append((committed, replicated))
+        def tell(committed: int, replicated: int, replica: int, name: str = node[0]) -> None:
+            heard[name].append((committed, replicated, replica))
             told.set()
 
         session.on_checkpoint_progress = tell
@@ -377,11 +377,12 @@ def test_a_step_committed_by_another_nodes_report_is_pushed_to_the_waiting_membe
         assert client.report_checkpoint(report(a, 10, [copy(0, a)])).committed_step == -1
         assert client.report_checkpoint(report(b, 10, [copy(1, b)])).committed_step == 10
         assert told.wait(5), "no progress pushed"
-        assert heard == {a[0]: [(10, -1)], b[0]: []}  # b has it in its answer
+        # b has it in its answer; step 10 is the one to copy to the peers.
+        assert heard == {a[0]: [(10, -1, 10)], b[0]: []}
         # Nothing moved: nothing is pushed again.
         client.report_checkpoint(report(b, 10, [copy(1, b)]))
         time.sleep(0.2)
-        assert heard[a[0]] == [(10, -1)]
+        assert heard[a[0]] == [(10, -1, 10)]
     finally:
         for session in sessions:
             session.close()

@@ -222,11 +222,37 @@ def test_a_growing_state_grows_its_slot(tmp_path: Path) -> None:
     assert torch.equal(read_tensor(LocalImage(saved.header_path), "x"), big)
 
 
-def test_reserve_allocates_every_slot_ahead_of_the_first_save(tmp_path: Path) -> None:
-    with ImageWriter(tmp_path, rank=3, slots=2) as writer:
-        writer.reserve(1 << 20)
-    sizes = [(tmp_path / files.body_name(3, s)).stat().st_size for s in range(2)]
-    assert all(size >= 1 << 20 for size in sizes)
+def test_a_writer_keeps_the_protected_step_and_every_newer_image_while_it_has_room(
+    tmp_path: Path,
+) -> None:
+    """The agent's answers trail the saves: the images from the protected
+    step on stay readable, and slots are only made as they are needed."""
+    with ImageWriter(tmp_path, rank=0, slots=8) as writer:
+        for step in range(1, 7):
+            assert writer.has_room(step, protect=1)
+            writer.write(
+                step, {"x": torch.full((2,), float(step))}, round=0, world_size=1, protect=1
+            )
+        assert [i.step for i in writer.images()] == [1, 2, 3, 4, 5, 6]
+        # The answers catch up: the older images go first, no new slot is made.
+        writer.write(7, {"x": torch.ones(2)}, round=0, world_size=1, protect=5)
+        writer.write(8, {"x": torch.ones(2)}, round=0, world_size=1, protect=7)
+        assert [i.step for i in writer.images()] == [3, 4, 5, 6, 7, 8]
+        assert len(list(tmp_path.glob("*.body"))) == 6
+        for step in (9, 10):  # the answers stuck at step 3: the last two slots
+            writer.write(step, {"x": torch.ones(2)}, round=0, world_size=1, protect=3)
+        assert not writer.has_room(11, protect=3)
+        # No room: the oldest image goes, never the protected one.
+        writer.write(11, {"x": torch.ones(2)}, round=0, world_size=1, protect=3)
+        assert [i.step for i in writer.images()] == [3, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_large_images_take_fewer_slots(tmp_path: Path) -> None:
+    with ImageWriter(tmp_path, rank=0, slots=8, memory_bytes=7 << 19) as writer:
+        big = {"x": torch.zeros(1 << 18)}  # 1 MiB
+        for step in range(1, 6):
+            writer.write(step, big, round=0, world_size=1, protect=1)
+        assert [i.step for i in writer.images()] == [1, 4, 5]
 
 
 def test_a_restarted_writer_adopts_the_images_of_its_predecessor(tmp_path: Path) -> None:

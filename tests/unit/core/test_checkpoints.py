@@ -42,8 +42,9 @@ def report(
     round_: int = 1,
     world: int = 2,
     dropped_below: int = 0,
+    earlier: Sequence[int] = (),
 ) -> CheckpointReport:
-    return CheckpointReport(node, step, round_, world, tuple(copies), dropped_below)
+    return CheckpointReport(node, step, round_, world, tuple(copies), dropped_below, tuple(earlier))
 
 
 def save(
@@ -152,6 +153,50 @@ def test_latest_is_the_newest_restorable_step_and_before_step_looks_further_back
         10,
     ]
     assert table.latest(10) is None
+
+
+def test_a_report_names_earlier_steps_so_nodes_reporting_different_newest_steps_commit() -> None:
+    """Reports trail the saves and carry each node's newest step: n0's is 7,
+    n1's 5. The earlier steps each names make step 5 committed, the newest
+    both hold; n1's next report commits 7."""
+    table = CheckpointTable()
+    table.report(report("n0", 7, [own(0, "n0")], earlier=[4, 5, 6]))
+    answer, _ = table.report(report("n1", 5, [own(1, "n1")], earlier=[4]))
+    assert answer.committed_step == 5
+    answer, _ = table.report(report("n1", 8, [own(1, "n1")], earlier=[6, 7]))
+    assert answer.committed_step == 7
+
+
+def test_every_node_is_told_one_step_to_copy_until_it_is_replicated() -> None:
+    """The replica step stays the one chosen while commits move on, so the
+    nodes' replicas meet on it; once replicated, the newest committed step
+    is chosen next."""
+    table = CheckpointTable()
+    table.report(report("n0", 3, [own(0, "n0")]))
+    answer, _ = table.report(report("n1", 3, [own(1, "n1")]))
+    assert (answer.committed_step, answer.replica_step) == (3, 3)
+    table.report(report("n0", 5, [own(0, "n0")], earlier=[4]))
+    answer, _ = table.report(report("n1", 5, [own(1, "n1")], earlier=[4]))
+    assert (answer.committed_step, answer.replica_step) == (5, 3)
+    table.report(report("n1", 3, [replica(0, "n1")]))
+    answer, _ = table.report(report("n0", 3, [replica(1, "n0")]))
+    assert (answer.replicated_step, answer.replica_step) == (3, 5)
+
+
+def test_a_replica_step_never_replicated_is_given_up_for_a_newer_one() -> None:
+    """A node that no longer holds the chosen step never copies it: after
+    TARGET_PATIENCE reports the newest committed step is chosen instead."""
+    from dlfleet.master.core.checkpoints import TARGET_PATIENCE
+
+    table = CheckpointTable()
+    save_own = [own(0, "n0")], [own(1, "n1")]
+    table.report(report("n0", 1, save_own[0]))
+    assert table.report(report("n1", 1, save_own[1]))[0].replica_step == 1
+    answers = []
+    for step in range(2, 2 + TARGET_PATIENCE):
+        table.report(report("n0", step, save_own[0]))
+        answers.append(table.report(report("n1", step, save_own[1]))[0].replica_step)
+    assert answers[0] == 1 and answers[-1] > 1
 
 
 def test_a_repeated_report_changes_nothing() -> None:
@@ -356,6 +401,10 @@ def test_a_persisted_step_of_an_abandoned_future_is_dropped_and_not_taken_again(
         (report("n0", 1, [own(0, "n0", size=-1)]), "-1 bytes"),
         (report("n0", 1, [own(0, "n0"), own(0, "n0")]), "listed twice"),
         (report("n0", 1, [own(0, "n0")], dropped_below=2), "dropped_below must be in 0..1"),
+        (report("n0", 3, [own(0, "n0")], earlier=[3]), "earlier steps must be distinct"),
+        (report("n0", 3, [own(0, "n0")], earlier=[1, 1]), "earlier steps must be distinct"),
+        (report("n0", 3, [own(0, "n0")], earlier=[-1]), "earlier steps must be distinct"),
+        (report("n0", 99, [own(0, "n0")], earlier=range(65)), "at most 64"),
     ],
 )
 def test_bad_reports_are_refused_and_change_nothing(bad: CheckpointReport, message: str) -> None:

@@ -63,6 +63,8 @@ from dlfleet.master.core.checkpoint_events import (
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_COPIES_PER_REPORT = 4096
+MAX_EARLIER_STEPS = 64
+TARGET_PATIENCE = 100  # reports a replica step stays chosen without being replicated
 MAX_TEXT = 1024  # node ids and addresses
 MAX_PATH = 4096
 GONE_KEPT = 10_000
@@ -88,6 +90,8 @@ class CheckpointReport:
     world_size: int
     copies: tuple[ImageCopy, ...]
     dropped_below: int = 0  # the node no longer holds its copies of earlier steps
+    # Earlier steps (same round and world size) at which it holds the same copies.
+    earlier_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,7 @@ class ReportAnswer:
     committed_step: int  # NONE when no step is committed
     stale: bool
     replicated_step: int = NONE
+    replica_step: int = NONE  # see CheckpointTable.replica_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +199,11 @@ class CheckpointTable:
         self.newest_round = 0  # the newest round that reported copies
         self.gone: dict[str, None] = {}  # node ids, oldest first
         self.persisted: PersistedStep | None = None
+        # The step chosen for every node to copy to its peer (a hint to the
+        # nodes, derived from the records: not journaled, chosen afresh after
+        # a restart).
+        self._replica_target = NONE
+        self._target_age = 0  # reports since it was chosen
         self._appliers: dict[type[CheckpointEvent], Callable[[Any], None]] = {
             CopiesReported: self._apply_reported,
             StepsAbandoned: self._apply_abandoned,
@@ -206,32 +216,68 @@ class CheckpointTable:
     # ----------------------------------------------------------- operations
 
     def report(self, report: CheckpointReport) -> tuple[ReportAnswer, list[CheckpointEvent]]:
-        """Record a node's copies of one step. A stale report is ignored (the
-        answer says so); a repeated one changes nothing."""
+        """Record a node's copies of one step (and of its `earlier_steps`,
+        oldest first, as reports of their own). A stale report is ignored
+        (the answer says so); a repeated one changes nothing."""
         validate_report(report)
-        self._check_world(report.step, report.round, report.world_size)
+        steps = sorted(report.earlier_steps)
+        for step in (*steps, report.step):
+            self._check_world(step, report.round, report.world_size)
         if report.node_id in self.gone or self._stale(report.round, report.step):
             return self._answer(stale=True), []
         events: list[CheckpointEvent] = []
         copies = tuple(c for c in report.copies if c.node_id not in self.gone)
-        if copies and not self._hopeless(report.step):
-            if self._abandons(report.round, report.step):
-                self._emit(events, StepsAbandoned(report.round, report.step))
-            record = self.records.get(report.step)
-            if record is None or any(record.find(c) != c for c in copies):
-                self._emit(
-                    events,
-                    CopiesReported(
-                        report.node_id, report.step, report.round, report.world_size, copies
-                    ),
-                )
-                self._bound(events)
+        for step in steps:
+            if not self._stale(report.round, step):
+                self._report_step(events, report, step, copies)
+        self._report_step(events, report, report.step, copies)
         if report.dropped_below > 0 and self._holds_below(report.node_id, report.dropped_below):
             self._emit(events, CopiesDropped(report.node_id, report.dropped_below))
         return self._answer(stale=False), events
 
+    def _report_step(
+        self,
+        events: list[CheckpointEvent],
+        report: CheckpointReport,
+        step: int,
+        copies: tuple[ImageCopy, ...],
+    ) -> None:
+        if not copies or self._hopeless(step):
+            return
+        if self._abandons(report.round, step):
+            self._emit(events, StepsAbandoned(report.round, step))
+        record = self.records.get(step)
+        if record is None or any(record.find(c) != c for c in copies):
+            self._emit(
+                events,
+                CopiesReported(report.node_id, step, report.round, report.world_size, copies),
+            )
+            self._bound(events)
+
     def _answer(self, *, stale: bool) -> ReportAnswer:
-        return ReportAnswer(self.committed_step(), stale, self.replicated_step())
+        return ReportAnswer(
+            self.committed_step(), stale, self.replicated_step(), self.replica_step()
+        )
+
+    def replica_step(self) -> int:
+        """The step every node is to copy to its peer next: one step for
+        all, or the ranks' replicas, each of the newest step its node had
+        time for, would rarely be of one step, and no step would count as
+        replicated. It stays chosen until it is replicated (or gone, or of
+        an older round than the newest, or still not replicated after
+        TARGET_PATIENCE reports: a node no longer holds it); then the
+        newest committed step is."""
+        record = self.records.get(self._replica_target)
+        self._target_age += 1
+        if (
+            record is None
+            or record.safe
+            or record.round < self.newest_round
+            or self._target_age > TARGET_PATIENCE
+        ):
+            self._replica_target = self.committed_step()
+            self._target_age = 0
+        return self._replica_target
 
     def report_persisted(self, persisted: PersistedStep) -> list[CheckpointEvent]:
         """A step written to disk. Only the newest of the lineage is kept:
@@ -483,6 +529,17 @@ def validate_report(report: CheckpointReport) -> None:
     if report.step < 0:
         raise InvalidArgument(f"checkpoint step must be >= 0, got {report.step}")
     _check_round(report.round, report.world_size)
+    if len(report.earlier_steps) > MAX_EARLIER_STEPS:
+        raise InvalidArgument(
+            f"{where}: {len(report.earlier_steps)} earlier steps; at most {MAX_EARLIER_STEPS}"
+        )
+    if len(set(report.earlier_steps)) != len(report.earlier_steps) or any(
+        not 0 <= s < report.step for s in report.earlier_steps
+    ):
+        raise InvalidArgument(
+            f"{where}: earlier steps must be distinct steps in 0..{report.step - 1}, "
+            f"got {list(report.earlier_steps)}"
+        )
     if not 0 <= report.dropped_below <= report.step:
         raise InvalidArgument(
             f"{where}: dropped_below must be in 0..{report.step}, got {report.dropped_below}"

@@ -63,10 +63,16 @@ class CheckpointsService(checkpoint_pb2_grpc.CheckpointsServicer):
         await self.commit([*events, *self.state.breaker.progress(report.round, reached)])
         if self.membership is not None:
             self.membership.tell_checkpoint_progress(
-                report.round, answer.committed_step, answer.replicated_step, request.node_id
+                report.round,
+                answer.committed_step,
+                answer.replicated_step,
+                answer.replica_step,
+                request.node_id,
             )
         return checkpoint_pb2.CheckpointReportResponse(
-            committed_step=answer.committed_step, replicated_step=answer.replicated_step
+            committed_step=answer.committed_step,
+            replicated_step=answer.replicated_step,
+            replica_step=answer.replica_step,
         )
 
     @rpc

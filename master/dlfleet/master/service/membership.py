@@ -116,8 +116,8 @@ class Membership:
         self.goodput = state.goodput
         # The newest committed step when the last round closed (-1: none).
         self._committed_at_close = -1
-        # The last (round, committed, replicated) told the members' sessions.
-        self._progress_told = (0, -1, -1)
+        # The last (round, committed, replicated, replica step) told the members' sessions.
+        self._progress_told = (0, -1, -1, -1)
 
     async def apply(self, events: list[RendezvousEvent], *, lost: bool = False) -> None:
         """Carry out what the rendezvous decided: write it, then tell who it
@@ -215,29 +215,29 @@ class Membership:
                 queue.put_nowait(rendezvous_pb2.SessionEvent(re_rendezvous=push))
 
     def tell_checkpoint_progress(
-        self, round_: int, committed: int, replicated: int, reporter: str
+        self, round_: int, committed: int, replicated: int, replica: int, reporter: str
     ) -> None:
         """A report moved the active round's newest committed or replicated
-        step: tell the round's other members on their sessions (the reporter
-        has it in its answer), so that a save each of them answers once its
-        step is committed and replicated is answered now, not when a report
-        or replica of its own next brings the word."""
+        step, or the step to copy to the peers next: tell the round's other
+        members on their sessions (the reporter has it in its answer), so
+        that a save each of them answers once its step is committed and
+        replicated is answered now, and each copies the same step, not when
+        a report or replica of its own next brings the word."""
         active = self.state.rendezvous.state.active
         if active is None or active.round != round_:
             return
-        if self._progress_told[0] != round_:
-            self._progress_told = (round_, -1, -1)
-        _, told_committed, told_replicated = self._progress_told
-        if committed <= told_committed and replicated <= told_replicated:
+        told = self._progress_told
+        if told[0] != round_:
+            told = (round_, -1, -1, -1)
+        if committed <= told[1] and replicated <= told[2] and replica == told[3]:
             return
-        self._progress_told = (
-            round_,
-            max(committed, told_committed),
-            max(replicated, told_replicated),
-        )
+        self._progress_told = (round_, max(committed, told[1]), max(replicated, told[2]), replica)
         event = rendezvous_pb2.SessionEvent(
             checkpoint=rendezvous_pb2.CheckpointProgress(
-                round=round_, committed_step=committed, replicated_step=replicated
+                round=round_,
+                committed_step=committed,
+                replicated_step=replicated,
+                replica_step=replica,
             )
         )
         for member in active.members:

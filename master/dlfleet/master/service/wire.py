@@ -177,6 +177,7 @@ def checkpoint_report_from_wire(msg: checkpoint_pb2.CheckpointReport) -> Checkpo
         world_size=msg.world_size,
         copies=copies,
         dropped_below=msg.dropped_below,
+        earlier_steps=tuple(msg.earlier_steps),
     )
 
 

@@ -107,8 +107,9 @@ class AgentSession:
         # Set by the agent once its workers run `dlfleet.elastic.run`.
         self.restarts_in_place = False
         # Told the newest (committed, replicated) steps of the node's round
-        # when another node's report moved them (called on the I/O loop).
-        self.on_checkpoint_progress: Callable[[int, int], None] | None = None
+        # and the step to copy to its peer next when another node's report
+        # moved them (called on the I/O loop).
+        self.on_checkpoint_progress: Callable[[int, int, int], None] | None = None
         # When the last heartbeat went out (time.monotonic()), 0 before the first.
         self.last_beat_s = 0.0
         self._silent = False
@@ -142,7 +143,7 @@ class AgentSession:
         may be ones a restore abandoned."""
         tell = self.on_checkpoint_progress
         if tell is not None and progress.round == self.round:
-            tell(progress.committed_step, progress.replicated_step)
+            tell(progress.committed_step, progress.replicated_step, progress.replica_step)
 
     async def _run(self) -> None:
         try:

@@ -12,12 +12,17 @@ worker tells the agent (`Keeper.Saved`); the agent then
 - copies the newest image of each local rank to the next node of the round
   (a ring over the group ranks), newest first and skipping steps it has no
   time for: a replica may lag, it is never half-written. The peer keeps it in
-  `<root>/replicas/<node>` (two slots per rank) and reports it as a replica;
+  `<root>/replicas/<node>` (in slots kept as the writers keep theirs, see
+  `dlfleet.worker.checkpoint.slots`) and reports it as a replica;
 - answers the worker once the step is committed and *replicated* (every
   rank's image of it, on every node, has a copy on a second node; the master
-  keeps that count too), bounded in time. The worker's next save waits for
-  that answer, so a rank that finished step s+1 knows the loss of any one
-  node loses no image of step s: a failure costs at most one step.
+  keeps that count too), bounded in time. The worker keeps that step's image
+  and every newer one (in its slots, see `dlfleet.worker.checkpoint.slots`)
+  and waits for an answer only when its slots are full: the answers run
+  behind the saves, off the training step. A killed worker costs at most
+  the step it was saving (a new round first tells the master the images it
+  had not heard of, see `set_peer`); a lost node, at most the steps its
+  peer had not yet replicated, which the slots bound.
 
 `Fetch` serves any image this node holds, own or replica. Images are shipped
 as opaque bytes: the agent imports no torch.
@@ -46,9 +51,8 @@ answer at once, as before, with the master's word.
 Invariants:
 - a replica's header is written after its body, by rename, so a reader never
   sees half a replica; the slot overwritten is never the one holding the
-  step this node's workers were told is committed (the master's word, or a
-  step held whole in its absence) while the other slot does not; else the
-  older one;
+  step the master counts replicated (or one held whole in its absence), nor
+  a newer one while a slot is left;
 - reports and replication happen off the workers' path: `saved` only queues.
 """
 
@@ -75,15 +79,23 @@ from dlfleet.api.status import TOKEN_METADATA_KEY
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.errors import CheckpointError
+from dlfleet.worker.checkpoint.slots import Held, choose, slot_count
 
 _log = logging.getLogger(__name__)
 
 PIECE_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit, header included
-REPLICA_SLOTS = 2
-COMMIT_WAIT_S = 1.0  # how long `Saved` waits for its step's commit before answering
-REPLICA_WAIT_S = 1.0  # and then for every rank's copy on a second node
+# Slots per rank of a peer's replicas, allocated as first needed, and the
+# memory beyond which fewer are used (never fewer than two).
+REPLICA_SLOTS = 8
+REPLICA_MEMORY_BYTES = 1 << 30
+MAX_EARLIER_STEPS = 32  # earlier steps a report names, the newest
+# The fastest pace of reports (so of commits, and of the replicas, which
+# follow the master's choice of step): a save of every few milliseconds then
+# costs the node's CPU a report per interval, not one per step.
+REPORT_INTERVAL_S = 0.05
+REPLICATE_RECHECK_S = 0.1
+ANSWER_WAIT_S = 2.0  # how long `Saved` waits for news before answering what it has
 SLOW_ANSWER_S = 0.5  # a save's answer slower than this is logged, with why
-REPLICA_POLL_S = 0.05  # asking the master, once this node's own copies are out
 RECONCILE_WAIT_S = 2.0  # how long a new round waits for the master to hear this node's images
 # A master that has not answered a report for this long is taken as away (it
 # restarts, or is cut off): saves then stop waiting for it, see `saved`.
@@ -125,6 +137,10 @@ def remove_stale_folders(base: Path) -> list[Path]:
     return removed
 
 
+class _Wake:
+    """Queued to the report loop: something is owed to the master (see `set_peer`)."""
+
+
 @dataclass(frozen=True)
 class _Held:
     header_path: Path
@@ -154,8 +170,7 @@ class ImageKeeper:
         self.replica_dir.mkdir(parents=True, exist_ok=True)
         (root / _OWNER_FILE).write_text(str(os.getpid()))
         self._client = client
-        # For the status polls a save waits on: one short attempt each.
-        self._quick = client.sharing_channel(timeout_s=0.5, retry=RetryPolicy(attempts=1))
+        # For its own reports: one attempt each (the loop sends them again).
         self._quick_reports = client.sharing_channel(
             timeout_s=REPORT_TIMEOUT_S, retry=RetryPolicy(attempts=1)
         )
@@ -167,16 +182,23 @@ class ImageKeeper:
         self._commits = threading.Condition(self._lock)
         self._committed = -1
         self._replicated_step = -1  # the master's word, as last heard
+        self._replica_step = -1  # the step the master chose for every node to copy next
         self._report_since: float | None = None  # a report in flight since (monotonic)
         self._master_away = False  # the last call to the master failed
         # The newest (round, step) whose every rank's image this node held
         # while the master was away, told to the workers as committed.
         self._whole: tuple[int, int] | None = None
-        self._unreconciled = False  # the master missed reports: tell it all it held
+        self._answered: dict[int, tuple[int, int]] = {}  # rank -> (round, step) last told
+        self._headers = files.HeaderCache()  # read by the report and replicate threads
+        # The master may not know every image this node holds (it missed
+        # reports, or a round starts with saves not yet reported): tell it
+        # those of steps above `_reconcile_above` (-1: all).
+        self._unreconciled = False
+        self._reconcile_above = -1
         self._own: dict[int, _Held] = {}  # newest own image per rank
         self._peer: str | None = None
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
-        self._reports: queue.Queue[_Held | None] = queue.Queue()
+        self._reports: queue.Queue[_Held | _Wake | None] = queue.Queue()
         self._replicate = threading.Event()
         # (peer, rank) -> (round, step) of the newest image sent there. By
         # round too: after a restore the round's steps repeat those of the
@@ -222,11 +244,16 @@ class ImageKeeper:
     def set_peer(self, address: str | None) -> None:
         """The node this one copies its images to (None: no peer, alone), set
         as a round starts. Its restore asks the master for the newest step
-        every rank holds: after an outage, first the master hears every image
-        this node held meanwhile (bounded by RECONCILE_WAIT_S)."""
+        every rank holds, so first the master hears every image this node
+        holds that it may not know: those saved after the newest commit this
+        node heard (their reports trail the saves, and a killed worker never
+        sent its last), and after an outage every image held meanwhile
+        (bounded by RECONCILE_WAIT_S)."""
         with self._lock:
             changed = address != self._peer
             self._peer = address or None
+            self._owe_locked(self._committed)
+        self._reports.put(_Wake())
         if changed and address:
             self._replicate.set()
         self.wait_reconciled(RECONCILE_WAIT_S)
@@ -244,7 +271,7 @@ class ImageKeeper:
         if path.parent.resolve() != self.own_dir.resolve():
             raise CheckpointError(f"{path} is not in this agent's folder {self.own_dir}")
         try:
-            header = files.read_header(path)
+            header = self._headers.read(path)
         except (OSError, CheckpointError) as exc:
             _log.warning("an announced image cannot be read: %s", exc)
             return checkpoint_pb2.SavedAck(committed_step=self.committed)
@@ -253,65 +280,69 @@ class ImageKeeper:
             self._own[header.rank] = held
         self._reports.put(held)
         self._replicate.set()
-        # The worker's next save waits for this answer (in the background of
-        # its training step): answer once the step is committed (at most
-        # COMMIT_WAIT_S) and replicated, so that losing any one node loses at
-        # most the next step (at most REPLICA_WAIT_S more: a large image
-        # replicates at the network's pace, and training must not).
-        # Only the master can say either, so while it is away (a restart
-        # takes seconds) the answer waits for this node to hold every rank's
-        # image of the step instead (see the module's docstring): losing a
-        # node in that window too then loses no step the workers were told
-        # is committed.
+        # The worker frees its images older than the step it is answered
+        # (see `_told`), so the answer goes once that step moved past what
+        # this rank was last told, or reached this save's step (bounded:
+        # the worker's notices wait for it, not its training). Only the
+        # master can move it, so while it is away (a restart takes seconds)
+        # the answer waits for this node to hold every rank's image of the
+        # step instead (see the module's docstring): losing a node in that
+        # window too then loses no step the workers were told is committed.
         started = time.monotonic()
-        deadline = started + COMMIT_WAIT_S
+        deadline = started + ANSWER_WAIT_S
+        key = header.rank
         with self._commits:
-            while self._committed < header.step and not self._master_away_locked():
+            last_round, last = self._answered.get(key, (header.round, -1))
+            if last_round != header.round:
+                last = -1
+            while not self._master_away_locked():
+                told = self._told_locked(header.round)
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if told > last or told >= header.step or left <= 0:
                     break
                 self._commits.wait(min(left, _WAIT_SLICE_S))
-        committed_at = time.monotonic()
-        deadline = committed_at + REPLICA_WAIT_S  # both waits: within the worker's bound
-        self._wait_replicated(header.round, header.step, deadline)
         if self.master_away:
             self._wait_whole(header, deadline)
-        answer = checkpoint_pb2.SavedAck(committed_step=self._told(header.round))
+        with self._commits:
+            told = self._told_locked(header.round)
+            self._answered[key] = (header.round, told)
         if time.monotonic() - started > SLOW_ANSWER_S:
-            self._say_slow(header, started, committed_at, answer.committed_step)
-        return answer
+            self._say_slow(header, started, told)
+        return checkpoint_pb2.SavedAck(committed_step=told)
 
-    def _say_slow(
-        self, header: files.ImageHeader, started: float, committed_at: float, told: int
-    ) -> None:
-        """A save's answer took long (its worker's next save waits for it):
-        what it waited for, and what this node had heard by then."""
+    def _say_slow(self, header: files.ImageHeader, started: float, told: int) -> None:
+        """A save's answer took long (its worker's notices wait for it, and
+        its slots fill meanwhile): what this node had heard by then."""
         with self._lock:
-            replicated, away, peer = self._replicated_step, self._master_away, self._peer
+            committed, replicated = self._committed, self._replicated_step
+            away, peer, target = self._master_away, self._peer, self._replica_step
             sent = {rank: self._replicated.get((peer or "", rank)) for rank in self._own}
         _log.warning(
-            "the save of step %d (round %d, rank %d) was answered after %.2fs: %.2fs waiting "
-            "for its commit (told committed %d), %.2fs for its copy on the peer (the master "
-            "counts step %d replicated; sent to %s as (round, step): %s)%s",
+            "the save of step %d (round %d, rank %d) was answered after %.2fs with step %d: "
+            "the master counts step %d committed, step %d replicated, step %d to copy next "
+            "(sent to %s as (round, step): %s)%s",
             header.step,
             header.round,
             header.rank,
             time.monotonic() - started,
-            committed_at - started,
             told,
-            time.monotonic() - committed_at,
+            committed,
             replicated,
+            target,
             peer,
             sent,
             "; the master is away" if away else "",
         )
 
-    def _told(self, round_: int) -> int:
+    def _told_locked(self, round_: int) -> int:
         """The committed step a save of `round_` is answered: the master's
-        word, or a newer step of that round this node held whole while the
+        word (with a peer, the newest step both committed and replicated:
+        the one a lost node falls back to, whose images the workers keep),
+        or a newer step of that round this node held whole while the
         master was away."""
-        with self._lock:
-            whole, committed = self._whole, self._committed
+        whole, committed = self._whole, self._committed
+        if self._peer is not None:
+            committed = min(committed, self._replicated_step)
         if whole is not None and whole[0] == round_:
             return max(committed, whole[1])
         return committed
@@ -328,7 +359,7 @@ class ImageKeeper:
                 with self._commits:
                     if self._whole is None or self._whole < (header.round, header.step):
                         self._whole = (header.round, header.step)
-                    self._unreconciled = True
+                    self._owe_locked(-1)
                 return
             with self._commits:
                 left = deadline - time.monotonic()
@@ -347,61 +378,32 @@ class ImageKeeper:
         with self._lock:
             return self._master_away_locked()
 
-    def _wait_replicated(self, round_: int, step: int, deadline: float) -> None:
-        """Until the master counts `step` replicated, or `deadline`. The
-        answers this node hears anyway (its reports, the replicas it receives,
-        the acks of those it sends) usually tell; once this node's own copies
-        are out and the word is still missing (another node's report came
-        last), the master is asked every REPLICA_POLL_S."""
-        while True:
-            with self._commits:
-                if self._peer is None or self._replicated_step >= step:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0 or self._master_away_locked():
-                    return
-                self._commits.wait_for(
-                    lambda: self._peer is None or self._replicated_step >= step,
-                    min(left, REPLICA_POLL_S),
-                )
-                ask = self._replicated_step < step and self._own_copies_out(round_, step)
-            if ask and time.monotonic() < deadline:
-                try:  # one quick attempt: the next poll is the retry
-                    heard = self._quick.checkpoint_status().replicated_step
-                except DlfleetError as exc:
-                    _log.debug("checkpoint status not answered: %s", exc)
-                    with self._commits:
-                        self._master_away = self._master_away or isinstance(exc, Unavailable)
-                    continue
-                self._heard(heard)
-
-    def _own_copies_out(self, round_: int, step: int) -> bool:
-        """This node's images of `round_`'s `step` (or newer) are all on the peer."""
-        peer = self._peer
-        return peer is not None and all(
-            self._replicated.get((peer, rank), _NONE_SENT) >= (round_, step)
-            for rank, held in self._own.items()
-            if (held.header.round, held.header.step) >= (round_, step)
-        )
-
-    def heard_progress(self, committed_step: int, replicated_step: int) -> None:
+    def heard_progress(self, committed_step: int, replicated_step: int, replica_step: int) -> None:
         """The master pushed the current round's newest committed and
-        replicated steps (another node's report moved them): the saves
-        waiting for them are answered now. Only ever forward: the answers to
-        this node's own reports carry the master's word after a restore."""
+        replicated steps and the step to copy next (another node's report
+        moved them): the saves waiting for them are answered now, the copy
+        starts now. Only ever forward: the answers to this node's own
+        reports carry the master's word after a restore."""
         with self._commits:
             self._master_away = False
             self._committed = max(self._committed, committed_step)
             self._replicated_step = max(self._replicated_step, replicated_step)
+            self._set_replica_step_locked(replica_step)
             self._commits.notify_all()
 
-    def _heard(self, replicated_step: int) -> None:
+    def _heard(self, replicated_step: int, replica_step: int) -> None:
         """The master's word on the newest replicated step (not a maximum: a
-        restore abandons the steps after it)."""
+        restore abandons the steps after it) and the step to copy next."""
         with self._commits:
             self._master_away = False
             self._replicated_step = replicated_step
+            self._set_replica_step_locked(replica_step)
             self._commits.notify_all()
+
+    def _set_replica_step_locked(self, step: int) -> None:
+        if step != self._replica_step:
+            self._replica_step = step
+            self._replicate.set()
 
     def _report_loop(self) -> None:
         """Report what this node's ranks saved and the replicas it received,
@@ -415,17 +417,26 @@ class ImageKeeper:
             batch = self._next_batch(unsent)
             if batch is None:
                 return
+            sent_at = time.monotonic()
             unsent = []
             # Only each rank's newest image is worth a report: the master
             # commits the newest step every rank holds, and the older ones
             # are about to be dropped. After a master outage the backlog is
             # then one report per step still open, not one per step missed,
             # and the saves waiting for the current step's commit wait less.
+            held = self._held_images()
             for (step, round_, world), images in _by_step(_newest(batch)):
-                if self._report(step, round_, world, images) is None and self.master_away:
+                earlier = self._earlier_steps(step, round_, world, images, held)
+                taken = self._report(step, round_, world, images, held=held, earlier=earlier)
+                if taken is None and self.master_away:
                     unsent += images
             if not unsent and self._reconcile_due():
                 self._reconcile()
+            # At most one report a REPORT_INTERVAL_S: saves faster than that
+            # gather in the queue meanwhile, and the next report names them all.
+            left = sent_at + REPORT_INTERVAL_S - time.monotonic()
+            if batch and left > 0 and not self._reconcile_due():
+                self._closed.wait(left)
 
     def _next_batch(self, unsent: list[_Held]) -> list[_Held] | None:
         """The reports queued, after those not taken yet (None: closed). While
@@ -437,7 +448,7 @@ class ImageKeeper:
             return list(unsent)
         if first is None:
             return None
-        batch = [*unsent, first]
+        batch = [*unsent] if isinstance(first, _Wake) else [*unsent, first]
         while True:  # the other local ranks' saves of the step, if already in
             try:
                 more = self._reports.get_nowait()
@@ -446,7 +457,14 @@ class ImageKeeper:
             if more is None:
                 self._reports.put(None)
                 return batch
-            batch.append(more)
+            if not isinstance(more, _Wake):
+                batch.append(more)
+
+    def _owe_locked(self, above: int) -> None:
+        """The master is to hear the images of steps above `above`."""
+        if self._unreconciled:
+            above = min(above, self._reconcile_above)
+        self._unreconciled, self._reconcile_above = True, above
 
     def _reconcile_due(self) -> bool:
         with self._lock:
@@ -457,12 +475,38 @@ class ImageKeeper:
         first: after an outage the master may know none of the steps saved
         meanwhile, and a node lost in it cannot report its own. Done once
         the master took every report; the next try is the loop's next turn."""
-        for (step, round_, world), images in _by_step(self._held_images()):
-            if self._report(step, round_, world, images) is None and self.master_away:
+        with self._lock:
+            above = self._reconcile_above
+        held = [h for h in self._held_images() if h.header.step > above]
+        for (step, round_, world), images in _by_step(held):
+            if self._report(step, round_, world, images, held=held) is None and self.master_away:
                 return
         with self._commits:
             self._unreconciled = False
             self._commits.notify_all()
+
+    def _earlier_steps(
+        self, step: int, round_: int, world: int, images: list[_Held], held: list[_Held]
+    ) -> list[int]:
+        """The steps before `step` (and after the newest this node heard
+        committed) at which this node holds the own images of every rank
+        of `images` too: a report carries only each rank's newest image,
+        and the other nodes' newest may be any of these."""
+        ranks = {h.header.rank for h in images}
+        if not ranks or any(h.replica for h in images):
+            return []
+        with self._lock:
+            floor = self._committed
+        by_step: dict[int, set[int]] = {}
+        for h in held:
+            if (
+                not h.replica
+                and h.header.rank in ranks
+                and (h.header.round, h.header.world_size) == (round_, world)
+                and floor < h.header.step < step
+            ):
+                by_step.setdefault(h.header.step, set()).add(h.header.rank)
+        return sorted(s for s, r in by_step.items() if r == ranks)[-MAX_EARLIER_STEPS:]
 
     def _report(
         self,
@@ -472,6 +516,8 @@ class ImageKeeper:
         images: list[_Held],
         *,
         queued: bool = True,
+        held: list[_Held] | None = None,
+        earlier: list[int] | None = None,
     ) -> int | None:
         """Tell the master, in one attempt; the newest replicated step it
         answers (-1: none; None: not taken). A `queued` report is the report
@@ -494,7 +540,8 @@ class ImageKeeper:
             round=round_,
             world_size=world,
             copies=copies,
-            dropped_below=min(self._oldest_held(), step),
+            dropped_below=min(self._oldest_held(held), step),
+            earlier_steps=earlier or [],
         )
         if queued:
             with self._commits:
@@ -511,7 +558,8 @@ class ImageKeeper:
                 if queued:
                     self._report_since = None
                 self._master_away = self._master_away or away
-                self._unreconciled = self._unreconciled or away
+                if away:
+                    self._owe_locked(-1)
                 self._commits.notify_all()
             return None
         with self._commits:
@@ -522,41 +570,41 @@ class ImageKeeper:
             # it, and the commits of the round that failed go with them.
             self._committed = answer.committed_step
             self._replicated_step = answer.replicated_step
+            self._set_replica_step_locked(answer.replica_step)
             self._commits.notify_all()
         return answer.replicated_step
 
     def _held_images(self) -> list[_Held]:
         """Every complete image in this node's memory, own and replicas."""
-        held = [_Held(i.header_path, i.header) for i in files.list_images(self.own_dir)]
+        own = files.list_images(self.own_dir, cache=self._headers)
+        held = [_Held(i.header_path, i.header) for i in own]
         for folder in sorted(self.replica_dir.iterdir()):
             held += [
-                _Held(i.header_path, i.header, replica=True) for i in files.list_images(folder)
+                _Held(i.header_path, i.header, replica=True)
+                for i in files.list_images(folder, cache=self._headers)
             ]
         return held
 
-    def _oldest_held(self) -> int:
-        return min((held.header.step for held in self._held_images()), default=0)
+    def _oldest_held(self, held: list[_Held] | None = None) -> int:
+        images = self._held_images() if held is None else held
+        return min((h.header.step for h in images), default=0)
 
     # ------------------------------------------------------- replication
 
     def _replicate_loop(self) -> None:
         while not self._closed.is_set():
-            self._replicate.wait()
+            # Woken by a new image or a new step to copy; while a newer image
+            # is not sent, it also looks again every REPLICATE_RECHECK_S: the
+            # master may have gone away meanwhile, and then the newest goes.
+            self._replicate.wait(REPLICATE_RECHECK_S if self._newer_unsent() else None)
             self._replicate.clear()
             if self._closed.is_set():
                 return
             with self._lock:
                 peer = self._peer
-                todo = [
-                    held
-                    for rank, held in sorted(self._own.items())
-                    if peer is not None
-                    and self._replicated.get((peer, rank), _NONE_SENT)
-                    < (held.header.round, held.header.step)
-                ]
             if peer is None:
                 continue
-            for held in todo:
+            for held in self._to_replicate(peer):
                 ack = self._send_replica(peer, held)
                 if ack is None:
                     continue
@@ -567,7 +615,43 @@ class ImageKeeper:
                     )
                     self._commits.notify_all()
                 if ack.replicated_step >= 0:
-                    self._heard(ack.replicated_step)
+                    self._heard(ack.replicated_step, ack.replica_step)
+
+    def _newer_unsent(self) -> bool:
+        with self._lock:
+            peer = self._peer
+            return peer is not None and any(
+                self._replicated.get((peer, rank), _NONE_SENT)
+                < (held.header.round, held.header.step)
+                for rank, held in self._own.items()
+            )
+
+    def _to_replicate(self, peer: str) -> list[_Held]:
+        """Each local rank's image to copy to `peer` now, if not sent yet:
+        of the step the master chose for every node (every rank's replica
+        of one step: the step then counts as replicated), or, while the
+        master is away or has chosen none, the newest."""
+        with self._lock:
+            newest = sorted(self._own.items())
+            target = -1 if self._master_away_locked() else self._replica_step
+            sent = {rank: self._replicated.get((peer, rank), _NONE_SENT) for rank, _ in newest}
+        if target >= 0 and all(sent[rank] >= (h.header.round, target) for rank, h in newest):
+            return []  # every rank's image of the step is out
+        chosen = []
+        targets = self._own_images_of(target) if target >= 0 else {}
+        for rank, held in newest:
+            image = held if target < 0 else targets.get((rank, held.header.round))
+            if image is not None and sent[rank] < (image.header.round, image.header.step):
+                chosen.append(image)
+        return chosen
+
+    def _own_images_of(self, step: int) -> dict[tuple[int, int], _Held]:
+        """This node's own images of `step`, by (rank, round)."""
+        return {
+            (i.header.rank, i.header.round): _Held(i.header_path, i.header)
+            for i in files.list_images(self.own_dir, cache=self._headers)
+            if i.header.step == step
+        }
 
     def _peer_channel(self, peer: str) -> grpc.Channel:
         """One channel per peer, kept while the peer stays (a connection per
@@ -657,31 +741,33 @@ class ImageKeeper:
             )
         if replicated_step is None:
             self._reports.put(replica)
+        with self._lock:
+            replica_step = self._replica_step
         return checkpoint_pb2.ReplicateAck(
-            bytes=received, replicated_step=-1 if replicated_step is None else replicated_step
+            bytes=received,
+            replicated_step=-1 if replicated_step is None else replicated_step,
+            replica_step=replica_step,
         )
 
     def _replica_slot(self, folder: Path, header: files.ImageHeader) -> int:
-        """A free slot, else the one holding the same step again, else the
-        older one, but never the one holding the step this node's workers
-        were told is committed while there is another."""
-        held = {
-            int(image.header_path.name.split(".slot-")[1].split(".")[0]): image.header
-            for image in files.list_images(folder, header.rank)
-        }
-        free = [slot for slot in range(REPLICA_SLOTS) if slot not in held]
-        if free:
-            return free[0]
-        same = [
-            slot for slot, h in held.items() if (h.round, h.step) == (header.round, header.step)
-        ]
-        if same:
-            return same[0]
+        """The slot for a replica, by the writers' own policy (see
+        `dlfleet.worker.checkpoint.slots`): the step the master counts
+        replicated (or one held whole in its absence) and every newer one
+        are kept while there is room. The master's replicated step only
+        moves forward within a round, so a replica older than it is never
+        needed again; the sender's saves wait for room on their side, so
+        the replicas they send never outrun these slots."""
+        held = []
+        for image in files.list_images(folder, header.rank):
+            parsed = files.parse_name(image.header_path.name)
+            if parsed is not None:
+                held.append(Held(parsed[1], image.header.round, image.header.step))
         with self._lock:
-            whole, committed = self._whole, self._committed
-        kept = [s for s, h in held.items() if (h.round, h.step) == whole or h.step == committed]
-        reusable = [slot for slot in held if slot not in kept] or list(held)
-        return min(reusable, key=lambda slot: held[slot].step)
+            whole, keep_from = self._whole, self._replicated_step
+        if whole is not None:
+            keep_from = min(keep_from, whole[1])
+        count = slot_count(REPLICA_SLOTS, REPLICA_MEMORY_BYTES, header.body_nbytes)
+        return choose(held, count, step=header.step, keep_from=keep_from)[0]
 
     # ------------------------------------------------------------ fetches
 

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlfleet.worker.agent.keeper import COMMIT_WAIT_S, REPLICA_WAIT_S
+from dlfleet.worker.agent.keeper import ANSWER_WAIT_S
 
 WARMUP_WRITES = 8
 DEFAULT_FLOOR_S = 2.0
-# After the master was last seen away: a save may wait COMMIT_WAIT_S for its
-# commit and REPLICA_WAIT_S for the peer's copy (dlfleet.worker.agent.keeper),
-# once the master answers again; a second for the reports to get through.
-CATCH_UP_S = COMMIT_WAIT_S + REPLICA_WAIT_S + 1.0
+# After the master was last seen away: a save's answer may wait ANSWER_WAIT_S
+# (dlfleet.worker.agent.keeper) once the master answers again; a second for
+# the reports to get through.
+CATCH_UP_S = ANSWER_WAIT_S + 1.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@
 `save` copies the state into this rank's image in the node agent's shared
 memory (the only part the step waits for) and tells the agent in the
 background; the agent reports it to the master and copies it to a peer node.
-A step is *committed* once every rank of the round saved it. `load` restores
+A step is *committed* once every rank of the round saved it. The agent's
+answers name the newest step committed and replicated; the rank keeps that
+step's image and every newer one, in up to IMAGE_SLOTS slots (fewer for a
+large state, see `slots`), and a save waits only when they are full. `load` restores
 the newest committed step whose images still exist somewhere (this node's
 memory, a peer's replica), else the newest step persisted to disk, else
 returns None. Every rank restores the same step: rank 0 chooses it and the
@@ -132,6 +135,13 @@ AUTO_SAMPLES = 16  # saves measured at the start of each round by every="auto"
 AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves block
 AUTO_MAX_EVERY = 10_000
 _CALL_TIMEOUT_S = 10.0
+# Slots of a rank's images under an agent: the agent's answers may trail the
+# saves by this many less two before a save waits (see `_wait_for_room`), and
+# they take at most this much memory where fewer slots would not (never
+# fewer than two). They are allocated as first needed.
+IMAGE_SLOTS = 64
+IMAGE_MEMORY_BYTES = 1 << 30
+_PRIVATE_SLOTS = 3  # the newest image, the one being persisted, the one being written
 _TIMES_KEPT = 16  # images whose times image_times() still knows
 _CLAIMS_KEPT = 16  # the newest steps this rank wrote, or handed to its persister
 # Every optimizer of the process waits here for the copy of an overlapped save.
@@ -279,12 +289,12 @@ class Checkpointer:
         self._check_location(round_)
         self._settle()
         writer = self._writer_for(rank)
-        self._wait_for_commit(self._last_saved)
         persist_due = bool(self.persist_every) and self._persist_due(step)
         if persist_due:  # every rank persists the same steps: the previous one first
             self._wait(lambda: self._persisting is None, None)
+        self._wait_for_room(writer, step)
         with self._lock:
-            protect = self._persisting if self._persisting is not None else self._committed
+            protect = self._protected()
         pending = writer.begin(
             step,
             state,
@@ -453,19 +463,45 @@ class Checkpointer:
                 self._writer.close()
             # In the node's folder, the rank's presence tells rank 0 on
             # SIGTERM whether this rank can still write its parts.
-            self._writer = ImageWriter(self.image_dir, rank, presence=not self._private)
+            self._writer = ImageWriter(
+                self.image_dir,
+                rank,
+                slots=_PRIVATE_SLOTS if self._private else IMAGE_SLOTS,
+                memory_bytes=None if self._private else IMAGE_MEMORY_BYTES,
+                presence=not self._private,
+            )
         return self._writer
 
-    def _wait_for_commit(self, step: int) -> None:
-        """Before a slot is reused: the agent has answered for the previous
-        save's step, which it does once the step is committed (all ranks saved
-        it: the image this one replaces is not the newest committed one) and
-        replicated (every rank's image is on two nodes: losing one node now
-        loses at most the step being saved). Bounded: a save never waits
-        longer than `commit_wait_s` (the agent's own bounds are shorter)."""
-        if step < 0 or self._agent is None:
+    def _protected(self) -> int | None:
+        """The step whose image the writer keeps, with every newer one while
+        it has room: the one being persisted, else the newest the agent
+        answered committed (and replicated). Without an agent nothing is
+        committed: the writer keeps only the newest (and a persisting) image."""
+        if self._agent is None:
+            return self._persisting
+        if self._persisting is not None:
+            return min(self._persisting, self._committed)
+        return self._committed
+
+    def _wait_for_room(self, writer: ImageWriter, step: int) -> None:
+        """Until the writer can take `step` without replacing an image that
+        may still be restored (see `slots`): the agent's answers, which come
+        in the background, free the images older than the step they name.
+        A save waits only when the agent's answers trail the saves by more
+        than the slots hold (normally never); so a lost node loses at most
+        the steps those slots hold, a killed rank at most the step being
+        saved. Once the agent answered the previous save without a commit
+        (the master is away, with no node to hold the step whole) there is
+        nothing better to wait for: the oldest image that is neither the
+        protected one nor the newest goes. Bounded: never longer than
+        `commit_wait_s` (the agent's own bounds are shorter)."""
+        if self._agent is None:
             return
-        self._wait(lambda: self._committed >= step or self._announced >= step, self.commit_wait_s)
+        previous = self._last_saved
+        self._wait(
+            lambda: writer.has_room(step, self._protected()) or self._announced >= previous,
+            self.commit_wait_s,
+        )
 
     def _wait(self, done: Callable[[], bool], timeout_s: float | None) -> None:
         """Wait on the training thread until `done()`, but leave at once when

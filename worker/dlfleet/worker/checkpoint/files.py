@@ -173,7 +173,29 @@ def read_header(path: Path) -> ImageHeader:
         raise ImageFormatError(f"{path}: {e}") from e
 
 
-def list_images(directory: Path, rank: int | None = None) -> list[StoredImage]:
+class HeaderCache:
+    """Headers already decoded, by path and file version: a header is only
+    ever replaced whole, by rename (a new inode), so a file whose inode,
+    modification time and size did not change still says the same. For a
+    reader that lists a folder often (the agent, at each report)."""
+
+    def __init__(self) -> None:
+        self._known: dict[Path, tuple[tuple[int, int, int], ImageHeader]] = {}
+
+    def read(self, path: Path) -> ImageHeader:
+        stat = path.stat()
+        version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        known = self._known.get(path)
+        if known is not None and known[0] == version:
+            return known[1]
+        header = read_header(path)
+        self._known[path] = (version, header)
+        return header
+
+
+def list_images(
+    directory: Path, rank: int | None = None, *, cache: HeaderCache | None = None
+) -> list[StoredImage]:
     """The complete images in `directory` (of one rank, or of all), by rank and step.
 
     A header that disappears while listing (its slot being reused) is skipped.
@@ -184,7 +206,7 @@ def list_images(directory: Path, rank: int | None = None) -> list[StoredImage]:
         if parsed is None or (rank is not None and parsed[0] != rank):
             continue
         try:
-            header = read_header(path)
+            header = read_header(path) if cache is None else cache.read(path)
         except FileNotFoundError:
             continue
         found.append(StoredImage(path, directory / header.body_name, header))

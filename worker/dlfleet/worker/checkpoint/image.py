@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -54,6 +54,7 @@ from dlfleet.worker.checkpoint.errors import (
 )
 from dlfleet.worker.checkpoint.files import ImageHeader, ItemKind, ItemRecord
 from dlfleet.worker.checkpoint.presence import Presence
+from dlfleet.worker.checkpoint.slots import Held, choose, slot_count
 from dlfleet.worker.checkpoint.structure import with_skeleton
 
 StateDict = dict[str, Any]
@@ -155,13 +156,6 @@ class _Slot:
             self._pinned = int(status) == 0
         return self.bytes
 
-    def populate(self) -> None:
-        if self._map is not None:
-            # MADV_POPULATE_WRITE (Linux 5.14+) faults every page now; on older
-            # kernels the first save faults them instead.
-            with contextlib.suppress(OSError, ValueError):
-                self._map.madvise(23)
-
     def unmap(self) -> None:
         if self.bytes is not None and self._pinned:
             _cudart().cudaHostUnregister(self.bytes.data_ptr())
@@ -179,7 +173,10 @@ class _Slot:
 
 
 class ImageWriter:
-    """Writes the images of one rank into `slots` rotating slots of a folder."""
+    """Writes the images of one rank into up to `slots` slots of a folder,
+    chosen by the policy of `dlfleet.worker.checkpoint.slots`: the protected step and every
+    newer image are kept while there is room; `memory_bytes` bounds how many
+    slots images of the current size may take (never fewer than two)."""
 
     def __init__(
         self,
@@ -187,6 +184,7 @@ class ImageWriter:
         rank: int,
         slots: int = 2,
         *,
+        memory_bytes: int | None = None,
         pin_memory: bool = True,
         presence: bool = False,
     ) -> None:
@@ -201,9 +199,12 @@ class ImageWriter:
         self.directory = directory
         self.rank = rank
         self._pin = pin_memory
+        self._max_slots = slots
+        self._memory_bytes = memory_bytes
         self._slots = [_Slot(directory / files.body_name(rank, s)) for s in range(slots)]
         self._blobs = BlobCache()
         self._pending: PendingImage | None = None
+        self._copier: ThreadPoolExecutor | None = None
         self._presence = Presence(directory, rank) if presence else None
         # A restarted worker finds the images of its predecessor: they may hold the
         # committed step, so they are adopted, never cleared.
@@ -217,11 +218,17 @@ class ImageWriter:
         held = [(i, s.header) for i, s in enumerate(self._slots) if s.header is not None]
         return sorted((self._image_file(i, h) for i, h in held), key=lambda f: f.step)
 
-    def reserve(self, nbytes: int) -> None:
-        """Allocate and fault every slot for a body of `nbytes`, off the hot path."""
-        for slot in self._slots:
-            slot.ensure(nbytes + files.PREAMBLE_BYTES, self._pin)
-            slot.populate()
+    def background(self) -> ThreadPoolExecutor:
+        """This writer's thread for its images' background copies (one
+        image at a time), started with the first."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="dlfleet-image-copy")
+        return self._copier
+
+    def has_room(self, step: int, protect: int | None) -> bool:
+        """Whether an image of `step` would replace no image that may still
+        be restored (see `dlfleet.worker.checkpoint.slots`; `protect` as `begin` takes it)."""
+        return self._choose_slot(step, protect)[1]
 
     def write(
         self,
@@ -233,9 +240,9 @@ class ImageWriter:
         protect: int | None,
         stripe: Stripe | None = None,
     ) -> ImageFile:
-        """Copy `state_dict` into the slot not holding step `protect`; return
-        where it is. With `stripe`, large plain tensors are cut among the
-        node's ranks (see the module's doc)."""
+        """Copy `state_dict` into a slot (never the one holding step
+        `protect`, see `begin`); return where it is. With `stripe`, large
+        plain tensors are cut among the node's ranks (see the module's doc)."""
         pending = self.begin(
             step, state_dict, round=round, world_size=world_size, protect=protect, stripe=stripe
         )
@@ -261,7 +268,11 @@ class ImageWriter:
         are computed in the background too (from the copy, which nothing
         else writes). The image exists once `PendingImage.finish()` wrote its
         header; until then, and if the copy fails or the process dies, the
-        slot holds no image at all. One image at a time per writer."""
+        slot holds no image at all. One image at a time per writer.
+
+        The slot (see `dlfleet.worker.checkpoint.slots`): the image of step
+        `protect` and the newer ones are kept while there is room (None:
+        only the newest); `has_room` says whether there is."""
         if self._pending is not None and not self._pending.ended:
             raise SlotError(
                 f"rank {self.rank}: the image of step {self._pending.step} is unfinished"
@@ -270,7 +281,7 @@ class ImageWriter:
             raise ValueError(f"step and round must be >= 0, got step {step}, round {round}")
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {world_size}")
-        index = self._choose_slot(step, protect)
+        index = self._choose_slot(step, protect)[0]
         if stripe is not None and not (
             0 <= stripe.local_rank < stripe.local_world <= world_size
             and world_size % stripe.local_world == 0
@@ -321,6 +332,8 @@ class ImageWriter:
         unfinished); the files stay, for the agent."""
         if self._pending is not None:
             self._pending.wait(raise_error=False)
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
         for slot in self._slots:
             slot.close()
         if self._presence is not None:
@@ -332,21 +345,17 @@ class ImageWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _choose_slot(self, step: int, protect: int | None) -> int:
-        held = {i: s.header.step for i, s in enumerate(self._slots) if s.header is not None}
-        if protect is not None and protect == step and protect in held.values():
+    def _choose_slot(self, step: int, protect: int | None) -> tuple[int, bool]:
+        held = [
+            Held(i, s.header.round, s.header.step)
+            for i, s in enumerate(self._slots)
+            if s.header is not None
+        ]
+        if protect is not None and protect == step and any(h.step == step for h in held):
             raise SlotError(f"step {step} is the protected step: its image may not be rewritten")
-        free = [i for i in range(len(self._slots)) if protect is None or held.get(i) != protect]
-        if not free:
-            raise SlotError(
-                f"every one of the {len(self._slots)} slots of rank {self.rank} holds the "
-                f"protected step {protect}: give the writer more slots"
-            )
-        for i in free:
-            if held.get(i) == step:
-                return i  # a save of the same step again replaces its older image
-        empty = [i for i in free if i not in held]
-        return empty[0] if empty else min(free, key=lambda i: held[i])
+        image_bytes = max((s.header.body_nbytes for s in self._slots if s.header), default=0)
+        count = slot_count(self._max_slots, self._memory_bytes, image_bytes)
+        return choose(held, count, step=step, keep_from=protect)
 
     def _image_file(self, slot: int, header: ImageHeader) -> ImageFile:
         return ImageFile(
@@ -379,7 +388,7 @@ class PendingImage:
         self.finished = False  # the header is written: the image exists
         self.ended = False  # finished, or abandoned: the writer may begin another
         self._digests: dict[str, tuple[int, ...]] = {}  # by item key
-        self._thread: threading.Thread | None = None
+        self._job: Future[None] | None = None  # the background copy
         self._copied = threading.Event()  # every deferred source was read
         # When every deferred tensor is on one CUDA device: their copies are
         # queued on the side stream, behind which `_queued_event` is recorded.
@@ -426,8 +435,9 @@ class PendingImage:
                 self._queued.set()
                 self._copied.set()
 
-        self._thread = threading.Thread(target=copy, name="dlfleet-image-copy", daemon=True)
-        self._thread.start()
+        # On one long-lived thread: starting a thread per save cost more than
+        # a small state's whole copy.
+        self._job = self._writer.background().submit(copy)
 
     def _mark_copied(self) -> None:
         if not self._copied.is_set():
@@ -438,12 +448,12 @@ class PendingImage:
     def copied(self) -> bool:
         """The deferred tensors are copied: they may change now (their
         checksums may still be under way)."""
-        return self._thread is None or self._copied.is_set()
+        return self._job is None or self._copied.is_set()
 
     def wait_copied(self, *, raise_error: bool = True) -> None:
         """Until the deferred tensors are copied (before they change: the
         optimizer's next step)."""
-        if self._thread is not None:
+        if self._job is not None:
             self._copied.wait()
         if raise_error and self._error is not None:
             raise self._error
@@ -454,7 +464,7 @@ class PendingImage:
         copies on the device (the CPU only until the copies are queued: the
         step's kernels follow them, forward and backward went on meanwhile);
         otherwise the CPU waits for the copy."""
-        if self._thread is None or self._copied.is_set():
+        if self._job is None or self._copied.is_set():
             return
         if self._device is not None:
             self._queued.wait()
@@ -466,8 +476,8 @@ class PendingImage:
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Until the copy and its checksums are done."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._job is not None:
+            self._job.result()
         if raise_error and self._error is not None:
             raise self._error
 
