@@ -363,6 +363,8 @@ def test_a_new_round_first_tells_the_master_the_images_it_had_not_reported(
     form_round(master, a, b)  # each node's set_peer waits for its reports
     latest = master.client.latest_checkpoint()
     assert latest.step == 4
+    # Step 3 stays restorable: the reports of step 4 say the nodes hold it.
+    assert master.client.latest_checkpoint(before_step=4).step == 3
     assert {(c.rank, c.node_id) for c in latest.copies if not c.replica} == {
         (0, a.node_id),
         (1, b.node_id),

@@ -348,6 +348,22 @@ def test_the_bound_never_drops_the_newest_restorable_step() -> None:
     assert latest is not None and latest.step == 1
 
 
+def test_the_bound_keeps_the_replicated_step_that_a_lost_node_falls_back_to() -> None:
+    """Replicas trail the saves: step 1 is replicated, steps 2..6 committed
+    on their own nodes only. The bound keeps step 1, so when n1 is lost, n0
+    restores step 1 from its own image and its replica of rank 1."""
+    table = CheckpointTable(CheckpointSettings(keep_steps=3))
+    save(table, 1)
+    for step in range(2, 7):
+        table.report(report("n0", step, [own(0, "n0")]))
+        table.report(report("n1", step, [own(1, "n1")]))
+    assert table.replicated_step() == 1 and table.committed_step() == 6
+    assert 1 in table.records
+    table.node_gone("n1")
+    latest = table.latest()
+    assert latest is not None and latest.step == 1
+
+
 def test_a_step_older_than_a_full_table_is_not_recorded() -> None:
     table = CheckpointTable(CheckpointSettings(keep_steps=2))
     save(table, 5)

@@ -508,11 +508,20 @@ class CheckpointTable:
     def _bound(self, events: list[CheckpointEvent]) -> None:
         if len(self.records) <= self.settings.keep_steps:
             return
-        keep = self.restorable_step()
+        # The newest restorable step; the newest replicated one, which a
+        # node's loss falls back to (replicas trail the saves); the step
+        # being copied, which becomes that; the newest, just reported (a
+        # table full of those would otherwise drop every new step at once).
+        keep = {
+            self.restorable_step(),
+            self.replicated_step(),
+            self._replica_target,
+            max(self.records),
+        }
         for step in sorted(self.records):
             if len(self.records) <= self.settings.keep_steps:
                 return
-            if step != keep:
+            if step not in keep:
                 self._emit(events, StepDropped(step))
 
     def _holds_below(self, node_id: str, below: int) -> bool:

@@ -477,8 +477,11 @@ class ImageKeeper:
         the master took every report; the next try is the loop's next turn."""
         with self._lock:
             above = self._reconcile_above
-        held = [h for h in self._held_images() if h.header.step > above]
-        for (step, round_, world), images in _by_step(held):
+        held = self._held_images()
+        owed = [h for h in held if h.header.step > above]
+        for (step, round_, world), images in _by_step(owed):
+            # `held`, all of it: a report says which steps below it the node
+            # no longer holds.
             if self._report(step, round_, world, images, held=held) is None and self.master_away:
                 return
         with self._commits:
