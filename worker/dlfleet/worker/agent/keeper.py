@@ -761,7 +761,7 @@ class ImageKeeper:
         needed again; the sender's saves wait for room on their side, so
         the replicas they send never outrun these slots."""
         held = []
-        for image in files.list_images(folder, header.rank):
+        for image in files.list_images(folder, header.rank, cache=self._headers):
             parsed = files.parse_name(image.header_path.name)
             if parsed is not None:
                 held.append(Held(parsed[1], image.header.round, image.header.step))
