@@ -326,11 +326,11 @@ def test_a_reports_world_size_must_match_its_rounds_record() -> None:
 
 
 def test_the_table_keeps_at_most_keep_steps_records_dropping_the_oldest() -> None:
-    table = CheckpointTable(CheckpointSettings(keep_steps=3))
+    table = CheckpointTable(CheckpointSettings(keep_steps=4))
     events = []
-    for step in range(1, 7):
+    for step in range(1, 8):
         events += save(table, step)
-    assert sorted(table.records) == [4, 5, 6]
+    assert sorted(table.records) == [4, 5, 6, 7]
     assert [e for e in events if isinstance(e, StepDropped)] == [
         StepDropped(1),
         StepDropped(2),
@@ -339,11 +339,11 @@ def test_the_table_keeps_at_most_keep_steps_records_dropping_the_oldest() -> Non
 
 
 def test_the_bound_never_drops_the_newest_restorable_step() -> None:
-    table = CheckpointTable(CheckpointSettings(keep_steps=3))
+    table = CheckpointTable(CheckpointSettings(keep_steps=4))
     save(table, 1)
-    for step in range(2, 7):  # rank 1 never saves these: not committed
+    for step in range(2, 8):  # rank 1 never saves these: not committed
         table.report(report("n0", step, [own(0, "n0")]))
-    assert sorted(table.records) == [1, 5, 6]
+    assert sorted(table.records) == [1, 5, 6, 7]
     latest = table.latest()
     assert latest is not None and latest.step == 1
 
@@ -352,12 +352,12 @@ def test_the_bound_keeps_the_replicated_step_that_a_lost_node_falls_back_to() ->
     """Replicas trail the saves: step 1 is replicated, steps 2..6 committed
     on their own nodes only. The bound keeps step 1, so when n1 is lost, n0
     restores step 1 from its own image and its replica of rank 1."""
-    table = CheckpointTable(CheckpointSettings(keep_steps=3))
+    table = CheckpointTable(CheckpointSettings(keep_steps=4))
     save(table, 1)
-    for step in range(2, 7):
+    for step in range(2, 8):
         table.report(report("n0", step, [own(0, "n0")]))
         table.report(report("n1", step, [own(1, "n1")]))
-    assert table.replicated_step() == 1 and table.committed_step() == 6
+    assert table.replicated_step() == 1 and table.committed_step() == 7
     assert 1 in table.records
     table.node_gone("n1")
     latest = table.latest()
@@ -365,17 +365,17 @@ def test_the_bound_keeps_the_replicated_step_that_a_lost_node_falls_back_to() ->
 
 
 def test_a_step_older_than_a_full_table_is_not_recorded() -> None:
-    table = CheckpointTable(CheckpointSettings(keep_steps=2))
-    save(table, 5)
-    save(table, 6)
+    table = CheckpointTable(CheckpointSettings(keep_steps=4))
+    for step in (5, 6, 7, 8):
+        save(table, step)
     _, events = table.report(report("n0", 1, [own(0, "n0")]))
     assert events == []
-    assert sorted(table.records) == [5, 6]
+    assert sorted(table.records) == [5, 6, 7, 8]
 
 
-def test_keep_steps_must_be_positive() -> None:
-    with pytest.raises(InvalidArgument, match="keep_steps"):
-        CheckpointSettings(keep_steps=0)
+def test_keep_steps_must_leave_room_for_the_steps_the_bound_keeps() -> None:
+    with pytest.raises(InvalidArgument, match="keep_steps must be at least 4"):
+        CheckpointSettings(keep_steps=3)
 
 
 # --------------------------------------------------------------- persisted
@@ -460,7 +460,7 @@ def test_latest_refuses_a_negative_before_step_and_node_gone_an_empty_id() -> No
 
 
 def test_replaying_the_events_and_installing_a_snapshot_rebuild_the_same_table() -> None:
-    settings = CheckpointSettings(keep_steps=3)
+    settings = CheckpointSettings(keep_steps=4)
     table = CheckpointTable(settings)
     events: list[CheckpointEvent] = []
     for step in (1, 2, 3, 4):

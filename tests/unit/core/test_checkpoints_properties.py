@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from dlfleet.master.core.checkpoint_events import CheckpointEvent, ImageCopy, StepDropped
 from dlfleet.master.core.checkpoints import (
+    MIN_KEEP_STEPS,
     CheckpointReport,
     CheckpointSettings,
     CheckpointTable,
@@ -58,7 +59,7 @@ class CheckpointTableMachine(RuleBasedStateMachine):
         # (round, step) of every accepted report that saved copies.
         self.saves: list[tuple[int, int]] = []
 
-    @initialize(keep=st.integers(1, 5))
+    @initialize(keep=st.integers(MIN_KEEP_STEPS, MIN_KEEP_STEPS + 3))
     def configure(self, keep: int) -> None:
         self.settings = CheckpointSettings(keep_steps=keep)
         self.table = CheckpointTable(self.settings)

@@ -30,8 +30,10 @@ size, and the copies reported per rank (node, own or replica, address, size).
   A report is *stale*, and ignored without an error, when a newer round holds
   a step at or below s, or when s has no record and a newer round has already
   reported (then s can only be an abandoned future as well).
-- Bounded: at most `keep_steps` records, the oldest dropped first, but never
-  the newest restorable one; `gone` remembers the last `GONE_KEPT` node ids.
+- Bounded: at most `keep_steps` records (at least MIN_KEEP_STEPS), the
+  oldest dropped first, but never the newest restorable one, the newest
+  replicated one, the step being copied or the newest; `gone` remembers the
+  last `GONE_KEPT` node ids.
 
 Invariants (tests/unit/core/test_checkpoints_properties.py): `latest()` is
 committed and has a copy of every rank on a node that is not gone; a stale
@@ -68,6 +70,9 @@ TARGET_PATIENCE = 100  # reports a replica step stays chosen without being repli
 MAX_TEXT = 1024  # node ids and addresses
 MAX_PATH = 4096
 GONE_KEPT = 10_000
+# The steps the bound never drops: the newest restorable, the newest
+# replicated, the one being copied and the newest.
+MIN_KEEP_STEPS = 4
 NONE = -1  # "no such step" on the wire
 
 
@@ -76,8 +81,11 @@ class CheckpointSettings:
     keep_steps: int = 8
 
     def __post_init__(self) -> None:
-        if self.keep_steps < 1:
-            raise InvalidArgument(f"keep_steps must be at least 1, got {self.keep_steps}")
+        if self.keep_steps < MIN_KEEP_STEPS:
+            raise InvalidArgument(
+                f"keep_steps must be at least {MIN_KEEP_STEPS} (the steps the bound never"
+                f" drops), got {self.keep_steps}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
