@@ -271,7 +271,8 @@ class CheckpointTable:
         """The step every node is to copy to its peer next: one step for
         all, or the ranks' replicas, each of the newest step its node had
         time for, would rarely be of one step, and no step would count as
-        replicated. It stays chosen until it is replicated (or gone, or of
+        replicated. It stays chosen until it or a newer step is replicated
+        (the nodes copy steps of their own accord too), or it is gone, or of
         an older round than the newest, or still not replicated after
         TARGET_PATIENCE reports: a node no longer holds it); then the
         newest committed step is."""
@@ -279,7 +280,7 @@ class CheckpointTable:
         self._target_age += 1
         if (
             record is None
-            or record.safe
+            or self.replicated_step() >= self._replica_target
             or record.round < self.newest_round
             or self._target_age > TARGET_PATIENCE
         ):

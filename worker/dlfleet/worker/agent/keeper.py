@@ -9,11 +9,18 @@ worker tells the agent (`Keeper.Saved`); the agent then
 - reports the image to the master, which commits a step once every rank of
   the round reported it (one report per step for all local ranks that saved
   it), and answers the newest committed step back to the workers;
-- copies the newest image of each local rank to the next node of the round
-  (a ring over the group ranks), newest first and skipping steps it has no
-  time for: a replica may lag, it is never half-written. The peer keeps it in
-  `<root>/replicas/<node>` (in slots kept as the writers keep theirs, see
-  `dlfleet.worker.checkpoint.slots`) and reports it as a replica;
+- copies its local ranks' images to the next node of the round (a ring over
+  the group ranks). A step counts as replicated once every rank's image of
+  it has a copy on a second node, so the nodes copy the same steps: first
+  the step the master chose for all (`replica_step`), then the step this
+  node last received from its own predecessor in the ring (following it,
+  which carries one step around the ring), else its newest, at most every
+  LEAD_INTERVAL_S; steps it has no time for are skipped. So the replicated
+  step trails the saves by about that interval and a copy, whether the
+  master answers or not. A replica may lag, it is never half-written. The
+  peer keeps it in `<root>/replicas/<node>` (in slots kept as the writers
+  keep theirs, see `dlfleet.worker.checkpoint.slots`) and reports it as a
+  replica;
 - answers the worker once the step is committed and *replicated* (every
   rank's image of it, on every node, has a copy on a second node; the master
   keeps that count too), bounded in time. The worker keeps that step's image
@@ -22,7 +29,8 @@ worker tells the agent (`Keeper.Saved`); the agent then
   behind the saves, off the training step. A killed worker costs at most
   the step it was saving (a new round first tells the master the images it
   had not heard of, see `set_peer`); a lost node, at most the steps its
-  peer had not yet replicated, which the slots bound.
+  peer had not yet replicated: about LEAD_INTERVAL_S and a copy's time of
+  training (the slots bound it where copies cannot keep up).
 
 `Fetch` serves any image this node holds, own or replica. Images are shipped
 as opaque bytes: the agent imports no torch.
@@ -66,7 +74,8 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,8 +102,14 @@ MAX_EARLIER_STEPS = 32  # earlier steps a report names, the newest
 # follow the master's choice of step): a save of every few milliseconds then
 # costs the node's CPU a report per interval, not one per step.
 REPORT_INTERVAL_S = 0.05
-REPLICATE_RECHECK_S = 0.1
+# The fastest pace at which a node copies its newest images of its own accord
+# (the master's step and the predecessor's step go at once): the lag of the
+# replicas behind fast saves, so what a lost node loses, for a copy (and the
+# peer's report) each interval, not one per step.
+LEAD_INTERVAL_S = 0.1
+SENT_KEPT = 16  # (round, step)s remembered as sent, per peer and rank
 ANSWER_WAIT_S = 2.0  # how long `Saved` waits for news before answering what it has
+ASK_AFTER_S = 0.25  # a save answered nothing new this long asks the master again
 SLOW_ANSWER_S = 0.5  # a save's answer slower than this is logged, with why
 RECONCILE_WAIT_S = 2.0  # how long a new round waits for the master to hear this node's images
 # A master that has not answered a report for this long is taken as away (it
@@ -200,10 +215,14 @@ class ImageKeeper:
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
         self._reports: queue.Queue[_Held | _Wake | None] = queue.Queue()
         self._replicate = threading.Event()
-        # (peer, rank) -> (round, step) of the newest image sent there. By
-        # round too: after a restore the round's steps repeat those of the
-        # round that failed, whose images the peer got, and must go again.
+        # (peer, rank) -> (round, step) of the newest image sent there, and
+        # the last SENT_KEPT sent. By round too: after a restore the round's
+        # steps repeat those of the round that failed, whose images the peer
+        # got, and must go again.
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
+        self._sent: dict[tuple[str, int], deque[tuple[int, int]]] = {}
+        self._received: tuple[int, int] | None = None  # newest (round, step) a peer sent here
+        self._led_at = -LEAD_INTERVAL_S  # when this node last copied its newest (monotonic)
         self._closed = threading.Event()
         self._threads = [
             threading.Thread(target=self._report_loop, name="keeper-report", daemon=True),
@@ -295,11 +314,23 @@ class ImageKeeper:
             last_round, last = self._answered.get(key, (header.round, -1))
             if last_round != header.round:
                 last = -1
+            asked = started
             while not self._master_away_locked():
                 told = self._told_locked(header.round)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if told > last or told >= header.step or left <= 0:
                     break
+                if now - asked >= ASK_AFTER_S:
+                    # The master's word comes with the answers to this
+                    # node's reports, the peer's acks and the master's
+                    # pushes; a push may be lost (a session reconnects), and
+                    # a replica reported late answers only the node that
+                    # got it: ask again, with the rank's newest report.
+                    asked = now
+                    newest = self._own.get(key)
+                    if newest is not None:
+                        self._reports.put(newest)
                 self._commits.wait(min(left, _WAIT_SLICE_S))
         if self.master_away:
             self._wait_whole(header, deadline)
@@ -392,11 +423,16 @@ class ImageKeeper:
             self._commits.notify_all()
 
     def _heard(self, replicated_step: int, replica_step: int) -> None:
-        """The master's word on the newest replicated step (not a maximum: a
-        restore abandons the steps after it) and the step to copy next."""
+        """The master's word on the newest replicated step and the step to
+        copy next, as the peer heard it when it acked a replica. Only ever
+        forward: both nodes copy at once, and the peer's word may be older
+        than the answer to this node's own report of the replica it got
+        meanwhile. (After a restore the answers to this node's own reports
+        set it back; a save is told no more than the committed step those
+        set, see `_told_locked`.)"""
         with self._commits:
             self._master_away = False
-            self._replicated_step = replicated_step
+            self._replicated_step = max(self._replicated_step, replicated_step)
             self._set_replica_step_locked(replica_step)
             self._commits.notify_all()
 
@@ -596,10 +632,9 @@ class ImageKeeper:
 
     def _replicate_loop(self) -> None:
         while not self._closed.is_set():
-            # Woken by a new image or a new step to copy; while a newer image
-            # is not sent, it also looks again every REPLICATE_RECHECK_S: the
-            # master may have gone away meanwhile, and then the newest goes.
-            self._replicate.wait(REPLICATE_RECHECK_S if self._newer_unsent() else None)
+            # Woken by a new image, a new step to copy or a replica received;
+            # while a newer image is not sent, also when the next lead is due.
+            self._replicate.wait(self._lead_due_in())
             self._replicate.clear()
             if self._closed.is_set():
                 return
@@ -611,50 +646,63 @@ class ImageKeeper:
                 ack = self._send_replica(peer, held)
                 if ack is None:
                     continue
+                sent = (held.header.round, held.header.step)
                 with self._commits:
-                    self._replicated[(peer, held.header.rank)] = (
-                        held.header.round,
-                        held.header.step,
-                    )
+                    key = (peer, held.header.rank)
+                    self._replicated[key] = max(self._replicated.get(key, _NONE_SENT), sent)
+                    self._sent.setdefault(key, deque(maxlen=SENT_KEPT)).append(sent)
                     self._commits.notify_all()
                 if ack.replicated_step >= 0:
                     self._heard(ack.replicated_step, ack.replica_step)
 
-    def _newer_unsent(self) -> bool:
+    def _lead_due_in(self) -> float | None:
+        """Seconds until this node may copy its newest images of its own
+        accord, if some are not sent (None: nothing to send)."""
         with self._lock:
             peer = self._peer
-            return peer is not None and any(
+            if peer is None or not any(
                 self._replicated.get((peer, rank), _NONE_SENT)
                 < (held.header.round, held.header.step)
                 for rank, held in self._own.items()
-            )
+            ):
+                return None
+            return max(0.0, self._led_at + LEAD_INTERVAL_S - time.monotonic())
 
     def _to_replicate(self, peer: str) -> list[_Held]:
         """Each local rank's image to copy to `peer` now, if not sent yet:
-        of the step the master chose for every node (every rank's replica
-        of one step: the step then counts as replicated), or, while the
-        master is away or has chosen none, the newest."""
+        of the step the master chose for every node, else of the step the
+        predecessor in the ring sent here last, else (at most every
+        LEAD_INTERVAL_S) the newest. The first two make every node copy the
+        same step (every rank's replica of one step: it then counts as
+        replicated); the master's choice alone would take a round trip to
+        the master per step replicated, and none while it is away."""
         with self._lock:
             newest = sorted(self._own.items())
             target = -1 if self._master_away_locked() else self._replica_step
-            sent = {rank: self._replicated.get((peer, rank), _NONE_SENT) for rank, _ in newest}
-        if target >= 0 and all(sent[rank] >= (h.header.round, target) for rank, h in newest):
-            return []  # every rank's image of the step is out
-        chosen = []
-        targets = self._own_images_of(target) if target >= 0 else {}
-        for rank, held in newest:
-            image = held if target < 0 else targets.get((rank, held.header.round))
-            if image is not None and sent[rank] < (image.header.round, image.header.step):
-                chosen.append(image)
+            received = self._received
+            sent = {rank: set(self._sent.get((peer, rank), ())) for rank, _ in newest}
+            lead_due = time.monotonic() >= self._led_at + LEAD_INTERVAL_S
+        if not newest:
+            return []
+        own = files.list_images(self.own_dir, cache=self._headers)
+        if target >= 0:
+            rounds = {rank: held.header.round for rank, held in newest}
+            chosen = _unsent(own, sent, lambda h: h.step == target and rounds[h.rank] == h.round)
+            if chosen:
+                return chosen
+        if received is not None:
+            chosen = _unsent(own, sent, lambda h: (h.round, h.step) == received)
+            if chosen:
+                return chosen
+        if not lead_due:
+            return []
+        chosen = [
+            held for rank, held in newest if (held.header.round, held.header.step) not in sent[rank]
+        ]
+        if chosen:
+            with self._lock:
+                self._led_at = time.monotonic()
         return chosen
-
-    def _own_images_of(self, step: int) -> dict[tuple[int, int], _Held]:
-        """This node's own images of `step`, by (rank, round)."""
-        return {
-            (i.header.rank, i.header.round): _Held(i.header_path, i.header)
-            for i in files.list_images(self.own_dir, cache=self._headers)
-            if i.header.step == step
-        }
 
     def _peer_channel(self, peer: str) -> grpc.Channel:
         """One channel per peer, kept while the peer stays (a connection per
@@ -737,6 +785,9 @@ class ImageKeeper:
         replica = _Held(header_path, renamed, replica=True)
         with self._commits:
             self._commits.notify_all()  # a save may wait for this node to hold its step whole
+            if self._received is None or self._received < (header.round, header.step):
+                self._received = (header.round, header.step)
+                self._replicate.set()  # this node copies the same step next
         replicated_step = None
         if not self.master_away:  # else the sender's next images would wait for it
             replicated_step = self._report(
@@ -826,6 +877,21 @@ def _chain(
 ) -> Iterator[checkpoint_pb2.ImagePiece]:
     yield first
     yield from rest
+
+
+def _unsent(
+    images: list[files.StoredImage],
+    sent: dict[int, set[tuple[int, int]]],
+    wanted: Callable[[files.ImageHeader], bool],
+) -> list[_Held]:
+    """The `wanted` images of `images` of the ranks in `sent`, not sent yet."""
+    return [
+        _Held(i.header_path, i.header)
+        for i in images
+        if i.header.rank in sent
+        and wanted(i.header)
+        and (i.header.round, i.header.step) not in sent[i.header.rank]
+    ]
 
 
 def _newest(batch: list[_Held]) -> list[_Held]:
