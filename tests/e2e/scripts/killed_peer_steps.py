@@ -34,8 +34,15 @@ def main() -> None:
     model = torch.nn.Linear(4, 4)
     for step in range(1, steps + 1):
         ckpt.save(step, {"model": model.state_dict(), "step": step})
-        if rank == 1 and step == KILLED_AFTER:
+        if step == KILLED_AFTER:
             while ckpt.image_times(step) is None:  # its image finished (in the background)
+                time.sleep(0.01)
+            (out / f"rank-{rank}-saved-{step}").touch()
+        if rank == 1 and step == KILLED_AFTER:
+            # The ranks train apart (no process group) and a save does not
+            # wait for the other ranks: rank 0 may start later. Both hold
+            # the step before rank 1 dies.
+            while not (out / f"rank-0-saved-{step}").exists():
                 time.sleep(0.01)
             print(f"killed at {time.time():.3f}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
