@@ -69,3 +69,25 @@ def test_auto_saves_every_step_while_it_measures_then_as_its_cost_allows(
         assert f'every="auto": saving every {every} step(s) from step 7 on' in caplog.text
         ckpt.load()  # a new round's restore: it measures again
         assert ckpt.every == 1
+
+
+def test_auto_measures_again_in_a_new_round_whatever_is_called_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank that only asks `due` (to skip building the state) in a new
+    round answers as a rank new to the round does: every step, while
+    measuring. Else a survivor (every k) and a spare (every step) would save
+    different steps, and every="auto"'s all-reduce would pair them wrongly."""
+    monkeypatch.setattr(module, "AUTO_SAMPLES", 4)
+    monkeypatch.setattr(module, "_agreed_max", lambda value: 7)  # what the ranks agreed
+    monkeypatch.setenv(module.ROUND_ENV, "1")
+    with Checkpointer(every="auto") as ckpt:
+        for step in range(1, 10):
+            if ckpt.due(step):
+                ckpt.save(step, {"w": torch.zeros(4)})
+            time.sleep(0.002)
+        assert ckpt.every == 7
+        assert [s for s in range(15, 22) if ckpt.due(s)] == [21]
+        monkeypatch.setenv(module.ROUND_ENV, "2")  # the next round, no load() called
+        assert ckpt.due(22) and ckpt.due(23)
+        assert ckpt.every == 1

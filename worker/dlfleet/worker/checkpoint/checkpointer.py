@@ -278,10 +278,7 @@ class Checkpointer:
         elastic.check()
         started = time.perf_counter()
         rank, world, round_ = _context()
-        if round_ != self._round:  # a new round that did not load(): its answers count
-            with self._acked:
-                self._round = round_
-            self._start_auto()
+        self._enter(round_)
         called = self._last_call
         self._last_call = (started, step)
         if not self.due(step):
@@ -333,8 +330,19 @@ class Checkpointer:
         self._last_call = None
 
     def due(self, step: int) -> bool:
-        """Whether `save(step, ...)` saves (every rank answers the same)."""
+        """Whether `save(step, ...)` saves (every rank answers the same: a
+        new round starts every rank's interval afresh, whether it called
+        `load` or `save` first or only this)."""
+        self._enter(_context()[2])
         return step % self.every == 0
+
+    def _enter(self, round_: int) -> None:
+        """A new round that did not load(): its answers count, and
+        every="auto" measures again."""
+        if round_ != self._round:
+            with self._acked:
+                self._round = round_
+            self._start_auto()
 
     def _persist_due(self, step: int) -> bool:
         """Every rank persists the same saves: each one that reaches a new
