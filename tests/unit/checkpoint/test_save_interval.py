@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlfleet.api.env import CHECKPOINT_DIR_ENV, MASTER_ENV
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, MASTER_ENV, ROUND_ENV
 from dlfleet.worker.checkpoint import checkpointer as module
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 from dlfleet.worker.checkpoint.persist import step_folder
@@ -80,7 +80,7 @@ def test_auto_measures_again_in_a_new_round_whatever_is_called_first(
     different steps, and every="auto"'s all-reduce would pair them wrongly."""
     monkeypatch.setattr(module, "AUTO_SAMPLES", 4)
     monkeypatch.setattr(module, "_agreed_max", lambda value: 7)  # what the ranks agreed
-    monkeypatch.setenv(module.ROUND_ENV, "1")
+    monkeypatch.setenv(ROUND_ENV, "1")
     with Checkpointer(every="auto") as ckpt:
         for step in range(1, 10):
             if ckpt.due(step):
@@ -88,6 +88,6 @@ def test_auto_measures_again_in_a_new_round_whatever_is_called_first(
             time.sleep(0.002)
         assert ckpt.every == 7
         assert [s for s in range(15, 22) if ckpt.due(s)] == [21]
-        monkeypatch.setenv(module.ROUND_ENV, "2")  # the next round, no load() called
+        monkeypatch.setenv(ROUND_ENV, "2")  # the next round, no load() called
         assert ckpt.due(22) and ckpt.due(23)
         assert ckpt.every == 1
