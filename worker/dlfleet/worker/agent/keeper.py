@@ -684,13 +684,15 @@ class ImageKeeper:
             lead_due = time.monotonic() >= self._led_at + LEAD_INTERVAL_S
         if not newest:
             return []
-        own = files.list_images(self.own_dir, cache=self._headers)
-        if target >= 0:
-            rounds = {rank: held.header.round for rank, held in newest}
+        rounds = {rank: held.header.round for rank, held in newest}
+        # The folder is listed only when a step is owed (most wakes owe none).
+        if target >= 0 and any((rounds[rank], target) not in sent[rank] for rank in rounds):
+            own = files.list_images(self.own_dir, cache=self._headers)
             chosen = _unsent(own, sent, lambda h: h.step == target and rounds[h.rank] == h.round)
             if chosen:
                 return chosen
-        if received is not None:
+        if received is not None and any(received not in sent[rank] for rank in rounds):
+            own = files.list_images(self.own_dir, cache=self._headers)
             chosen = _unsent(own, sent, lambda h: (h.round, h.step) == received)
             if chosen:
                 return chosen
