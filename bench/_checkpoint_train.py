@@ -43,7 +43,10 @@ Then steps/s with a checkpoint every step (`--throughput-steps` steps per
 mode on batches of `--throughput-batch`, after 2 untimed ones, order rotated
 by trial; the time in `optimizer.step()` recorded too): no checkpoint, dlfleet's
 save every step, dcp.async_save every step (each waiting for the previous
-one's upload, as its documentation asks before the next save).
+one's upload, as its documentation asks before the next save). With
+`--long-step-s S` the phase runs again with S seconds of sleep added to each
+step (a long step whose compute is on a device: the CPU idles meanwhile);
+each throughput record names its `pace`, short or long.
 
 After a method's saves, one more training step (so the live state differs),
 then the restore of the newest checkpoint into the live model and optimizer,
@@ -220,6 +223,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--throughput-batch", type=int, default=512, help="the batch of the throughput phase"
     )
+    parser.add_argument(
+        "--long-step-s",
+        type=float,
+        default=0.0,
+        help="seconds of sleep added to each step of a second throughput phase (0: none)",
+    )
     args = parser.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -300,8 +309,13 @@ class Job:
         if self.args.throughput_steps:
             modes = list(THROUGHPUT_MODES)
             shift = self.args.trial % len(modes)
-            for mode in modes[shift:] + modes[:shift]:
-                self.run_throughput(mode, Saver(self, "dcp_async", attempt.rank, group), results)
+            paces = [("short", 0.0)]
+            if self.args.long_step_s > 0:
+                paces.append(("long", self.args.long_step_s))
+            for pace, sleep_s in paces:
+                for mode in modes[shift:] + modes[:shift]:
+                    saver = Saver(self, "dcp_async", attempt.rank, group)
+                    self.run_throughput(mode, saver, results, pace, sleep_s)
         results.write("done", seconds=time.monotonic() - _STARTED, cpu_s=time.process_time())
         results.close()
 
@@ -378,9 +392,12 @@ class Job:
             record["held_s"] = held
             record["blocked_s"] += held
 
-    def run_throughput(self, mode: str, dcp: Saver, results: Results) -> None:
+    def run_throughput(
+        self, mode: str, dcp: Saver, results: Results, pace: str = "short", sleep_s: float = 0.0
+    ) -> None:
         """Steps/s with a checkpoint after every step (`mode`: none, dlfleet
-        or dcp_async), the slower rank's, over `--throughput-steps` steps."""
+        or dcp_async), the slower rank's, over `--throughput-steps` steps,
+        each step `sleep_s` longer (a device's compute, the CPU idle)."""
         steps = self.args.throughput_steps
         for index in range(2 + steps):
             if index == 2:
@@ -388,6 +405,8 @@ class Job:
                 started = time.perf_counter()
                 optimizer_s = self.optimizer_s
             self.train_step(self.args.throughput_batch)
+            if sleep_s:
+                time.sleep(sleep_s)
             if mode == "dlfleet":
                 self.checkpointer.save(self.step, {"model": self.model, "optim": self.optimizer})
             elif mode == "dcp_async":
@@ -403,6 +422,8 @@ class Job:
             seconds=seconds,
             optimizer_s=self.optimizer_s - optimizer_s,
             batch=self.args.throughput_batch,
+            pace=pace,
+            sleep_s=sleep_s,
         )
         dcp.finish()
 

@@ -9,6 +9,7 @@ disk.
     python bench/checkpoint.py --methods dlfleet,torch_save,torch_save_nosync,dcp_async
     python bench/checkpoint.py --device cuda      # the model on the GPU
     python bench/checkpoint.py --threads 4        # torch threads per rank (the copy uses them)
+    python bench/checkpoint.py --sweep    # 4 state sizes, 2 trials each (~10 min)
 
 The job (bench/_checkpoint_train.py, under the Python that runs this bench):
 2 ranks on this machine under dlfleet's `dlworker` agent (`--nnodes 1:1
@@ -70,6 +71,19 @@ still far more optimizer per step than an LLM's thousands of tokens per rank.
 Smaller batches show the copy's cost on CPU, where it takes cores from the
 training (`--throughput-batch 128`).
 
+`--sweep` runs the trials at four state sizes (SWEEP: the quickstart's model
+of ~5,400 parameters, then ~10 MB, ~100 MB and ~0.3 GB of parameters and
+AdamW moments), with torch.save and DCP writing to /dev/shm (memory, as
+dlfleet's images: the fastest a file can be written here), and the
+throughput phase twice: on batches of 32 (a short step: milliseconds for the
+small states) and with 0.1 s of sleep added to every step (a long step whose
+compute runs on a device while the CPU idles). It prints one row per size
+(median blocking per save of each method; steps/s with a save every step
+over steps/s with none, short | long, for dlfleet and dcp.async_save), the
+goal line (dlfleet blocks less than torch.save to /dev/shm at every size) and
+`ratio: X`, X the smallest over the sizes of torch.save's median blocking
+over dlfleet's.
+
 Printed: per trial a line, then the tables (median, min, max over all timed
 saves of all trials), dlfleet's copy beside memcpy, the per-step throughput,
 the goal lines (torch.save / dlfleet >= 30x; a dlfleet save every step costs
@@ -130,6 +144,16 @@ SLOT_GROWTH = 1.125  # a slot's spare room (image.py's _GROWTH)
 GB = 1e9
 BUSY_CPUS = 0.25  # other work above this many CPUs on average skews a trial
 MIB = 2**20
+# --sweep's states, (name, width, layers): the quickstart's model (about 5,400
+# parameters), then about 10 MB, 100 MB and 0.3 GB of parameters and moments.
+SWEEP = (
+    ("qs", 72, 1),
+    ("10MB", 512, 3),
+    ("100MB", 1024, 8),
+    ("0.3GB", 2048, 6),
+)
+# A size's row: name, state bytes, median blocking per method, steps/s ratios short and long.
+SweepRow = tuple[str, int, dict[str, float | None], dict[str, float], dict[str, float]]
 
 
 def state_bytes(width: int, layers: int) -> int:
@@ -305,6 +329,8 @@ class Trial:
                 str(self.args.throughput_steps),
                 "--throughput-batch",
                 str(self.args.throughput_batch),
+                "--long-step-s",
+                str(self.args.long_step_s),
             ],
         )
         try:
@@ -629,6 +655,24 @@ def report_copy(records: list[dict[str, Any]], nbytes: int) -> None:
     )
 
 
+def throughput_ratios(records: list[dict[str, Any]], pace: str = "short") -> dict[str, float]:
+    """Steps/s with a checkpoint every step over steps/s with none, per mode
+    (the slower rank of each trial, median over trials), at `pace`."""
+    per_trial: dict[tuple[str, int], float] = {}
+    for r in records:
+        if r["kind"] == "throughput" and r.get("pace", "short") == pace:
+            key = (r["mode"], r["trial"])
+            per_trial[key] = max(per_trial.get(key, 0.0), float(r["seconds"]) / r["steps"])
+    rates = {}
+    for mode in ("none", "dlfleet", "dcp_async"):
+        seconds = [v for (m, _), v in per_trial.items() if m == mode]
+        if seconds:
+            rates[mode] = 1.0 / statistics.median(seconds)
+    if "none" not in rates:
+        return {}
+    return {mode: rate / rates["none"] for mode, rate in rates.items()}
+
+
 def report_throughput(records: list[dict[str, Any]]) -> dict[str, float]:
     """Steps/s with a checkpoint every step, per mode (the slower rank of each
     trial, median over trials); the ratios to no checkpoint."""
@@ -636,7 +680,7 @@ def report_throughput(records: list[dict[str, Any]]) -> dict[str, float]:
     optimizer_share: list[float] = []  # of the step, with no checkpoint
     batch = None
     for r in records:
-        if r["kind"] == "throughput":
+        if r["kind"] == "throughput" and r.get("pace", "short") == "short":
             key = (r["mode"], r["trial"])
             per_trial[key] = max(per_trial.get(key, 0.0), float(r["seconds"]) / r["steps"])
             batch = r.get("batch", batch)
@@ -723,10 +767,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--throughput-batch",
         type=int,
-        default=512,
-        help="the batch of the throughput phase (512: forward and backward most of the step)",
+        default=None,
+        help="the batch of the throughput phase (512: forward and backward most of the step; "
+        "sweep 32)",
+    )
+    parser.add_argument(
+        "--long-step-s",
+        type=float,
+        default=None,
+        help="a second throughput phase with this much sleep added to each step (0; sweep 0.1)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="state sizes from the quickstart's model to 0.3 GB; torch.save to /dev/shm",
     )
     args = parser.parse_args(argv)
+    _defaults(args)
+    _check(args, parser)
+    return args
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    if args.throughput_batch is None:
+        args.throughput_batch = 32 if args.sweep else 512
+    if args.long_step_s is None:
+        args.long_step_s = 0.1 if args.sweep else 0.0
+    if args.sweep and args.trials is None:
+        args.trials = 2
+    if args.sweep and args.workdir is None:
+        args.workdir = args.shm_dir  # torch.save and DCP write to memory too
     if args.trials is None:
         args.trials = 2 if args.quick else 3
     if args.saves is None:
@@ -738,6 +808,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.throughput_steps is None:
         args.throughput_steps = 8 if args.quick else 6
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     known = METHODS + OPTIONAL
     if not args.methods or any(m not in known for m in args.methods):
         parser.error(f"--methods wants some of {', '.join(known)}")
@@ -749,14 +822,108 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--threads must be positive")
     if args.throughput_batch < 1:
         parser.error("--throughput-batch must be positive")
+    if args.long_step_s < 0:
+        parser.error("--long-step-s must not be negative")
     if args.width < 1 or args.layers < 1 or args.timeout <= 0:
         parser.error("--width, --layers and --timeout must be positive")
-    return args
+
+
+def run_trials(
+    args: argparse.Namespace, root: Path, shm: Path, results: list[TrialResult] | None = None
+) -> list[TrialResult]:
+    """`args.trials` trials, appended to `results` as each ends (kept if interrupted)."""
+    results = [] if results is None else results
+    for index in range(args.trials):
+        shift = index % len(args.methods)
+        order = args.methods[shift:] + args.methods[:shift]
+        result = run_trial(index, order, args, root, shm)
+        results.append(result)
+        say(f"  trial {index} ({', '.join(order)}): {describe(result)}")
+    return results
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Per state size of SWEEP: median blocking per save of every method,
+    and steps/s with a save every step over none, on short and long steps.
+    The headline: the smallest ratio over the sizes of torch.save's blocking
+    (to /dev/shm) to dlfleet's (goal: above 1 at every size)."""
+    say(
+        f"checkpoint sweep: {len(SWEEP)} sizes x {args.trials} trial(s) x {len(args.methods)} "
+        f"methods ({', '.join(args.methods)}), {args.warmup} warm-up + {args.saves} timed saves "
+        f"each; torch.save and DCP write to {args.workdir}; steps/s on batches of "
+        f"{args.throughput_batch} (short) and with {args.long_step_s:.2f} s of sleep added "
+        f"to each step (long: a device's compute)"
+    )
+    started = time.monotonic()
+    rows: list[SweepRow] = []
+    failed = False
+    for name, width, layers in SWEEP:
+        args.width, args.layers = width, layers
+        nbytes = state_bytes(width, layers)
+        workdir, shm_base = Path(args.workdir), Path(args.shm_dir)
+        try:
+            check_space(needs(nbytes, args.methods), workdir, shm_base)
+        except BenchError as exc:
+            say(f"  {name}: skipped: {exc}")
+            failed = True
+            continue
+        say(f"{name} state: {layers} x Linear({width}, {width}) + AdamW, ~{nbytes / 1e6:.2f} MB")
+        root = Path(tempfile.mkdtemp(prefix="dlfleet-ckpt-sweep-", dir=workdir))
+        shm = Path(tempfile.mkdtemp(prefix="dlfleet-ckpt-sweep-", dir=shm_base))
+        try:
+            results = run_trials(args, root, shm)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
+        failed = failed or any(r.error for r in results)
+        records = [r for result in results for r in result.records]
+        states = [r for r in records if r["kind"] == "state"]
+        size = int(states[0]["bytes"]) if states else nbytes
+        times = save_times(records)
+        medians = {m: median(times.get(m, [])) for m in args.methods}
+        short, long_ = throughput_ratios(records, "short"), throughput_ratios(records, "long")
+        rows.append((name, size, medians, short, long_))
+    say(f"(the sweep took {time.monotonic() - started:.0f} s)")
+    return report_sweep(rows, args, failed)
+
+
+def report_sweep(rows: list[SweepRow], args: argparse.Namespace, failed: bool) -> int:
+    say()
+    say("median blocking per save (ms; the slower rank) and steps/s with a save every step")
+    say("over steps/s with none (short step | long step):")
+    head = "  ".join(f"{m:>14s}" for m in args.methods)
+    say(f"  {'state':>14s}  {head}  {'dlfleet steps/s':>21s}  {'dcp_async steps/s':>21s}")
+    ratios = []
+    for name, size, medians, short, long_ in rows:
+        cells = "  ".join(
+            f"{'-' if v is None else f'{v * 1000:.2f}':>14s}" for v in medians.values()
+        )
+        paces = [
+            f"{fmt(short.get(m))} | {fmt(long_.get(m))}".rjust(21) for m in ("dlfleet", "dcp_async")
+        ]
+        say(f"  {name:>7s} {size / 1e6:6.2f}MB  {cells}  {paces[0]}  {paces[1]}")
+        dl, ts = medians.get("dlfleet"), medians.get("torch_save")
+        if dl and ts is not None:
+            ratios.append(ts / dl)
+    say()
+    if not ratios or len(ratios) < len(SWEEP):
+        say("goal: dlfleet blocks less than torch.save to /dev/shm at every size: NO (no figure)")
+        say("ratio: n/a (needs timed dlfleet and torch_save saves at every size)")
+        return 1
+    verdict = "yes" if min(ratios) > 1 and not failed else "NO"
+    say(
+        "goal: dlfleet blocks less than torch.save to /dev/shm at every size (torch.save / "
+        f"dlfleet: {', '.join(f'{r:.1f}x' for r in ratios)}): {verdict}"
+    )
+    say(f"ratio: {min(ratios):.2f}")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
+    if args.sweep:
+        return sweep(args)
     nbytes = state_bytes(args.width, args.layers)
     workdir = Path(args.workdir or tempfile.gettempdir())
     shm_base = Path(args.shm_dir)
@@ -777,12 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results: list[TrialResult] = []
     try:
-        for index in range(args.trials):
-            shift = index % len(args.methods)
-            order = args.methods[shift:] + args.methods[:shift]
-            result = run_trial(index, order, args, root, shm)
-            results.append(result)
-            say(f"  trial {index} ({', '.join(order)}): {describe(result)}")
+        run_trials(args, root, shm, results)
     except KeyboardInterrupt:
         say("interrupted; reporting the trials done so far")
     finally:
