@@ -449,6 +449,7 @@ class Saver:
         self.pending_done = 0.0
         self.upload: dict[str, float] = {}  # the last upload's figures, for the next record
         self.disk_bytes = 0  # of the newest checkpoint, on disk (rank 0: all of it)
+        self.saved_step = -1  # dlfleet: the step of the last save
 
     def before_save(self) -> None:
         """A DCP upload still going on is finished first (recorded apart)."""
@@ -473,6 +474,7 @@ class Saver:
             before = ckpt.blocked_s
             with Stopwatch() as held:
                 ckpt.save(step, {"model": self.job.model, "optim": self.job.optimizer})
+            self.saved_step = step
             return held.wall, {"cpu_s": held.cpu, "checkpointer_blocked_s": ckpt.blocked_s - before}
         if self.method.startswith("torch_save"):
             return self._torch_save(step, live)
@@ -530,6 +532,13 @@ class Saver:
     def restores(self) -> list[tuple[str, Callable[[], int]]]:
         """(source, a restore that returns the step it brought back) of this method."""
         if self.method == "dlfleet":
+            # Saves do not wait for their commit; the restore is of the last
+            # save once it is committed (untimed: a restore comes after a
+            # failure, seconds after the saves).
+            deadline = time.monotonic() + 30.0
+            ckpt = self.job.checkpointer
+            while ckpt.committed_step < self.saved_step and time.monotonic() < deadline:
+                time.sleep(0.01)
             return [("memory", self._load_dlfleet)]
         names: list[Any] = [str(self.last) if self.last is not None else None]
         dist.broadcast_object_list(names, src=0)  # torch.save: rank 0's file
@@ -566,6 +575,7 @@ class Saver:
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(self.folder, ignore_errors=True)
+        dist.barrier()  # gone before another rank's next Saver makes it again
 
 
 def main() -> int:

@@ -449,6 +449,15 @@ class Checkpointer:
             return next((t for t in reversed(self._times) if t.step == step), None)
 
     @property
+    def committed_step(self) -> int:
+        """The newest step the agent said is committed (and, with a peer
+        node, replicated): what a failure rolls back to at worst, while its
+        images live (-1: none yet). It trails the saves by the agent's round
+        trip; without an agent nothing is committed."""
+        with self._acked:
+            return self._committed
+
+    @property
     def step_held_s(self) -> float:
         """Time the optimizer steps of this process waited for overlapped
         copies, in total (every Checkpointer of the process together)."""
