@@ -68,6 +68,8 @@ class Entry:
     ids: tuple[int, ...]
     source: str = ""  # file:line, for reports
     t: float | None = field(default=None, compare=False)  # wall-clock time of the line
+    # The step the rank's Checkpointer had been told is committed, as it logged the line.
+    committed: int | None = field(default=None, compare=False)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "") -> Entry:
@@ -80,6 +82,7 @@ class Entry:
             ids=tuple(int(i) for i in data["ids"]),
             source=source,
             t=float(data["t"]) if "t" in data else None,
+            committed=int(data["committed"]) if "committed" in data else None,
         )
 
 

@@ -16,9 +16,12 @@ Each process appends to its own ledger file,
 write() and fsynced before the step goes on:
 
     {"attempt": A, "round": R, "restart": C, "rank": r, "world": W,
-     "epoch": e, "step": s, "ids": [...], "t": T}
+     "epoch": e, "step": s, "ids": [...], "t": T, "committed": K}
 
-`t` is the wall-clock time (time.time()) at which the line was logged; the
+`committed` (with --in-memory) is the newest step the rank's Checkpointer had
+been told is committed and replicated (`Checkpointer.committed_step`): no
+failure may restore an older one. `t` is the wall-clock time (time.time()) at
+which the line was logged; the
 next line of the same process minus this one is the step's duration (the
 chaos bench, bench/chaos.py, measures stalls and goodput with it).
 
@@ -351,6 +354,10 @@ class LedgerTrainer:
                 "ids": [int(i) for i in ids],
                 "t": time.time(),
             }
+            if self.checkpointer is not None:
+                # What the agent has told this rank is committed (and
+                # replicated) so far: no failure may roll back before it.
+                line["committed"] = self.checkpointer.committed_step
             append_line(self.ledger, line)  # before the step's all-reduce: see above
             crash_here = self.step == args.crash_at_step and self.rank == args.crash_rank
             if crash_here and args.crash_point == "logged":
