@@ -130,6 +130,7 @@ _ATTEMPTS = 4  # steps tried, newest first, before falling back to disk
 PERSIST_TIMEOUT_S = 60.0  # rank 0 waits this long for the other ranks' parts
 # On SIGTERM, within the agent's grace period (10 s) before its SIGKILL.
 SIGTERM_PERSIST_S = 5.0
+TERM_HANDLER_WAIT_S = 0.5  # then SIGTERM is sent to the main thread itself (see TermWatch)
 _WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
 AUTO_SAMPLES = 16  # saves measured at the start of each round by every="auto"
 AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves block
@@ -246,6 +247,7 @@ class Checkpointer:
         self._previous_sigterm: Any = None
         self._term_watch: TermWatch | None = None
         self._term_lock, self._term_done = threading.Lock(), False
+        self._term_handled = threading.Event()  # the main thread's handler ran
         if persist_every:
             self._watch_sigterm()
 
@@ -720,7 +722,7 @@ class Checkpointer:
         from the main thread."""
         if threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._term_watch = TermWatch(self._persist_on_term)
+            self._term_watch = TermWatch(self._persist_then_wake_main)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Preempted (the agent stops its workers with SIGTERM, then SIGKILL
@@ -740,12 +742,26 @@ class Checkpointer:
         persist. So `TermWatch` persists on a thread as soon as the signal
         comes; the handler then finds it done (or waits for it) and goes on.
         """
+        self._term_handled.set()
         self._persist_on_term()
         previous = self._previous_sigterm
         if callable(previous):
             previous(signum, frame)
             return
         raise SystemExit(128 + signum)
+
+    def _persist_then_wake_main(self) -> None:
+        """TermWatch's action: the persist, then the main thread's handler.
+        The kernel hands a process's signal to any of its threads: taken
+        by another one, it does not interrupt the main thread's blocking
+        call (a `time.sleep`, a wait in C), whose handler then runs only
+        when that call returns. So unless it has run by then, the signal
+        goes to the main thread itself."""
+        self._persist_on_term()
+        if not self._term_handled.wait(TERM_HANDLER_WAIT_S):
+            main = threading.main_thread().ident
+            if main is not None:
+                signal.pthread_kill(main, signal.SIGTERM)
 
     def _persist_on_term(self) -> None:
         """`_on_sigterm`'s persist, once, from whichever thread comes first
