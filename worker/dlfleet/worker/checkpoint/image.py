@@ -203,6 +203,7 @@ class ImageWriter:
         self._memory_bytes = memory_bytes
         self._slots = [_Slot(directory / files.body_name(rank, s)) for s in range(slots)]
         self._blobs = BlobCache()
+        self._plans = PlanCache()
         self._pending: PendingImage | None = None
         self._copier: ThreadPoolExecutor | None = None
         self._presence = Presence(directory, rank) if presence else None
@@ -288,7 +289,7 @@ class ImageWriter:
         ):
             raise ValueError(f"{stripe} does not fit a world of {world_size}")
         planned, paths = _plan(
-            with_skeleton(materialize(state_dict)), self.rank, stripe, self._blobs
+            with_skeleton(materialize(state_dict)), self.rank, stripe, self._blobs, self._plans
         )
         nbytes = max(
             (p.record.offset + p.record.length for p in planned), default=files.PREAMBLE_BYTES
@@ -679,34 +680,54 @@ def _plain_key(value: object, budget: list[int]) -> object | None:
     return None
 
 
+class PlanCache:
+    """The layout of the last image planned (`_plan`): while a state dict
+    keeps its structure (the same keys, and plain tensors of the same shapes,
+    dtypes and devices), the next save reuses it instead of DCP's planning,
+    whose cost grows with the number of tensors and is most of a small
+    state's save. A DTensor or ShardedTensor anywhere: always planned anew."""
+
+    def __init__(self) -> None:
+        self.layout: _Layout | None = None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    key: tuple[Any, ...]  # the state's structure (see `_structure`)
+    tensors: tuple[tuple[str, ItemRecord, tuple[int, int] | None], ...]  # fqn, record, rows cut
+    blobs: tuple[tuple[str, bool], ...]  # fqn, primary; laid out from `blob_offset` on
+    blob_offset: int
+    paths: dict[str, files.ObjectPath]
+
+
 def _plan(
     state_dict: StateDict,
     rank: int,
     stripe: Stripe | None = None,
     blobs: BlobCache | None = None,
+    cache: PlanCache | None = None,
 ) -> tuple[list[_Planned], dict[str, files.ObjectPath]]:
     """DCP's local save plan of `state_dict`, laid out in a body: tensors
-    first, then blobs (serialized again only when they changed, with `blobs`)."""
+    first, then blobs (serialized again only when they changed, with `blobs`;
+    the layout reused while the structure is the same, with `cache`)."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=rank == 0)
-    plan = planner.create_local_plan()
     flat: StateDict = planner.state_dict
+    key = _structure(flat, planner.mappings, rank, stripe) if cache is not None else None
+    layout = cache.layout if cache is not None else None
+    if layout is not None and key is not None and layout.key == key:
+        return _replan(layout, flat, blobs), layout.paths
+    plan = planner.create_local_plan()
     planned: list[_Planned] = []
+    tensors: list[tuple[str, ItemRecord, tuple[int, int] | None]] = []
     offset = files.PREAMBLE_BYTES
     items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
+    blob_offset: int | None = None  # where the first blob goes (they follow the tensors)
     for item in items:
+        data: torch.Tensor | memoryview
         if item.type == WriteItemType.BYTE_IO:
-
-            def serialize(item: WriteItem = item) -> io.BytesIO:
-                blob = planner.resolve_data(item)
-                assert isinstance(blob, io.BytesIO)  # DCP's planner torch.saves bytes items
-                return blob
-
-            data: torch.Tensor | memoryview = (
-                blobs.serialized(item.index.fqn, flat[item.index.fqn], serialize)
-                if blobs is not None
-                else serialize().getbuffer()
-            )
+            blob_offset = offset if blob_offset is None else blob_offset
+            data = _serialized(item.index.fqn, flat[item.index.fqn], blobs)
             record = ItemRecord(
                 fqn=item.index.fqn,
                 kind=ItemKind.BYTES,
@@ -717,19 +738,90 @@ def _plan(
         else:
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor)
-            data = tensor
             value = flat[item.index.fqn]
             cut = _cut(item, tensor, stripe) if not isinstance(value, DTensor) else None
+            span: tuple[int, int] | None = None
             if cut is not None and stripe is not None:
                 # The first node's parts are the ones a persist writes.
-                data, start = cut
-                record = _tensor_record(item, data, offset, rank < stripe.local_world, start)
+                part, start = cut
+                record = _tensor_record(item, part, offset, rank < stripe.local_world, start)
+                span = (start, part.shape[0])
+                tensor = part
             else:
-                record = _tensor_record(item, data, offset, _is_primary(value, rank))
+                record = _tensor_record(item, tensor, offset, _is_primary(value, rank))
+            data = tensor
+            tensors.append((item.index.fqn, record, span))
         planned.append(_Planned(record, data))
         offset = _round_up(offset + record.length, files.ALIGNMENT)
     paths = {fqn: tuple(path) for fqn, path in (plan.planner_data or {}).items()}
+    if cache is not None:
+        cache.layout = None
+        if key is not None:
+            cache.layout = _Layout(
+                key=key,
+                tensors=tuple(tensors),
+                blobs=tuple(
+                    (p.record.fqn, p.record.primary)
+                    for p in planned
+                    if p.record.kind is ItemKind.BYTES
+                ),
+                blob_offset=offset if blob_offset is None else blob_offset,
+                paths=paths,
+            )
     return planned, paths
+
+
+def _structure(
+    flat: StateDict, mappings: Mapping[str, Any], rank: int, stripe: Stripe | None
+) -> tuple[Any, ...] | None:
+    """What the layout of a flattened state dict depends on; None when it
+    holds a value whose layout DCP computes each time (a DTensor, a
+    ShardedTensor, any tensor that plans its own writes)."""
+    parts: list[Any] = [rank, stripe]
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, DTensor) or hasattr(value, "__create_write_items__"):
+                return None
+            if not _is_plain_tensor(value):
+                return None
+            parts.append(
+                (fqn, mappings.get(fqn), tuple(value.shape), value.dtype, value.device,
+                 value.layout, value.requires_grad)
+            )  # fmt: skip
+        else:
+            parts.append((fqn, mappings.get(fqn)))
+    return tuple(parts)
+
+
+def _is_plain_tensor(value: torch.Tensor) -> bool:
+    return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
+
+
+def _replan(layout: _Layout, flat: StateDict, blobs: BlobCache | None) -> list[_Planned]:
+    planned = [
+        _Planned(record, flat[fqn] if span is None else flat[fqn].narrow(0, *span))
+        for fqn, record, span in layout.tensors
+    ]
+    offset = layout.blob_offset
+    for fqn, primary in layout.blobs:
+        data = _serialized(fqn, flat[fqn], blobs)
+        record = ItemRecord(
+            fqn=fqn, kind=ItemKind.BYTES, offset=offset, length=len(data), primary=primary
+        )
+        planned.append(_Planned(record, data))
+        offset = _round_up(offset + len(data), files.ALIGNMENT)
+    return planned
+
+
+def _serialized(fqn: str, value: object, blobs: BlobCache | None) -> memoryview:
+    """`value` as DCP's planner writes a non-tensor: its torch.save bytes."""
+
+    def serialize() -> io.BytesIO:
+        blob = io.BytesIO()
+        torch.save(value, blob)
+        return blob
+
+    return blobs.serialized(fqn, value, serialize) if blobs is not None else serialize().getbuffer()
 
 
 def _tensor_record(
