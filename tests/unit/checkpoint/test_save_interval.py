@@ -91,3 +91,21 @@ def test_auto_measures_again_in_a_new_round_whatever_is_called_first(
         monkeypatch.setenv(ROUND_ENV, "2")  # the next round, no load() called
         assert ckpt.due(22) and ckpt.due(23)
         assert ckpt.every == 1
+
+
+def test_a_state_given_as_a_function_is_built_only_for_due_steps_and_its_time_counts() -> None:
+    built: list[int] = []
+
+    def state_of(step: int) -> dict[str, torch.Tensor]:
+        built.append(step)
+        time.sleep(0.02)  # a framework's state dict, slow to build
+        return {"w": torch.full((2,), float(step))}
+
+    with Checkpointer(every=2) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, lambda step=step: state_of(step))  # type: ignore[misc]
+        assert built == [2, 4, 6]
+        assert ckpt.saves == 3
+        assert ckpt.blocked_s >= 3 * 0.02
+        image = ckpt.last_image
+        assert image is not None and image.step == 6

@@ -253,8 +253,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Mapping[str, Any], *, overlap: Sequence[Any] = ()) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        overlap: Sequence[Any] = (),
+    ) -> None:
         """Checkpoint `state` as of `step` (call it between steps, on every rank).
+
+        `state` may be a function that returns it: it is called only when
+        the step is due (see `every`), and the time it takes counts as the
+        save's (what every="auto" weighs against the step's).
 
         What the step waits for: the copy of what may change before the next
         optimizer step. The parameters of the modules and the state of the
@@ -285,6 +295,8 @@ class Checkpointer:
         self._last_call = (started, step)
         if not self.due(step):
             return
+        if callable(state):
+            state = state()
         self._check_location(round_)
         self._settle()
         writer = self._writer_for(rank)
