@@ -95,7 +95,9 @@ def restored_steps(report: LedgerReport) -> list[int]:
 def test_a_worker_killed_restores_the_step_before_from_memory_and_trains_every_record_once(
     make_job: Any, framework: str
 ) -> None:
-    job = make_job(framework, ["--crash-at-step", "17", "--crash-rank", "1"]).start()
+    job = make_job(
+        framework, ["--crash-at-step", "17", "--crash-rank", "1", "--dlfleet-save-every", "1"]
+    ).start()
     log = job.succeed()
     report = assert_exactly_once(job.ledger, size=SIZE, epochs=EPOCHS)
     # Every step was checkpointed: the restart lost the step being trained,
@@ -155,7 +157,7 @@ def test_a_lost_machine_leaves_its_peer_training_alone_from_memory_exactly_once(
             str(bin_dir / "dlworker"), "--master", "hostm:50051", "--nnodes", "1:2",
             "--nproc-per-node", "1", "--max-restarts", "3",
             str(FRAMEWORKS[framework]), "--ledger-dir", str(ledger), "--size", str(SIZE),
-            "--sleep-per-step", "0.1",
+            "--sleep-per-step", "0.1", "--dlfleet-save-every", "1",
         ]  # fmt: skip
         nodes = {host: Output(f"node {host}", lab.popen(host, worker, env)) for host in "ab"}
         wait_steps(ledger, 2 * 12, 150, master, *nodes.values())

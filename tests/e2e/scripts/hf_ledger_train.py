@@ -66,7 +66,7 @@ class Sequences(Dataset[dict[str, torch.Tensor]]):
 
 class LedgerTrainer(DLFleetTrainer):
     def __init__(self, cli: argparse.Namespace, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(save_every=cli.dlfleet_save_every, **kwargs)
         self.ledger = Ledger(cli, "hf_ledger_train")
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +130,12 @@ def main() -> None:
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--save-steps", type=int, default=20)
     parser.add_argument("--stock", action="store_true", help="HF's own Trainer, no dlfleet")
+    parser.add_argument(
+        "--dlfleet-save-every",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="dlfleet's save interval: steps or \"auto\" (the integration's default)",
+    )
     cli = parser.parse_args()
     cli.ledger_dir.mkdir(parents=True, exist_ok=True)
 

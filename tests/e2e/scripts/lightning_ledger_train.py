@@ -63,7 +63,7 @@ class Regression(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
         self.ledger = Ledger(cli, "lightning_ledger_train")
         self.loader: ShardedDataLoader | None = None
-        self.fleet = DLFleetCheckpoint()
+        self.fleet = DLFleetCheckpoint(save_every=cli.dlfleet_save_every)
 
     def on_train_start(self) -> None:
         if self.cli.stock:
@@ -103,6 +103,12 @@ def main() -> None:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--stock", action="store_true", help="Lightning alone, no dlfleet")
+    parser.add_argument(
+        "--dlfleet-save-every",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="dlfleet's save interval: steps or \"auto\" (the integration's default)",
+    )
     parser.add_argument("--save-every", type=int, default=20, help="--stock: steps")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     cli = parser.parse_args()

@@ -115,12 +115,14 @@ class DLFleetTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
+        save_every: int | str = "auto",
         persist_every: int = 0,
         persist_dir: str | Path | None = None,
         dataset_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.save_every = save_every
         # The loader resumes itself; skipping batches would skip them twice.
         self.args.ignore_data_skip = True
         self.persist_every = persist_every
@@ -132,6 +134,7 @@ class DLFleetTrainer(Trainer):
         self._resume_folder: str | None = None
         self._loader_state: dict[str, Any] | None = None  # the loader's position to resume
         self._epoch_offset = (0, 0.0)  # (epoch restored into, fraction of it done then)
+        self._state_json = _StateJson()
         self.add_callback(_SaveEveryStep(self))
 
     # ---------------------------------------------------------------- train
@@ -156,7 +159,9 @@ class DLFleetTrainer(Trainer):
                 self._join_round()
             return self._train_attempt(resume_from_checkpoint, trial, ignore_keys_for_eval, kwargs)
 
-        with Checkpointer(persist_every=self.persist_every, persist_dir=self.persist_dir) as ckpt:
+        with Checkpointer(
+            every=self.save_every, persist_every=self.persist_every, persist_dir=self.persist_dir
+        ) as ckpt:
             self.checkpointer = ckpt
             try:
                 if os.environ.get(AGENT_ENV):
@@ -341,11 +346,19 @@ class DLFleetTrainer(Trainer):
         if self.checkpointer is None or self.loader is None:
             return
         optimizer = _inner_optimizer(self.optimizer)
+        self.checkpointer.save(
+            self.state.global_step, self._dlfleet_state, overlap=(self._module(), optimizer)
+        )
+
+    def _dlfleet_state(self) -> dict[str, Any]:
+        """What a step's checkpoint holds (built only for the steps saved)."""
+        assert self.loader is not None
+        optimizer = _inner_optimizer(self.optimizer)
         model_state, optimizer_state = get_state_dict(self._module(), optimizer)
         state: dict[str, Any] = {
             "model": model_state,
             "optimizer": optimizer_state,
-            "trainer_state": json.dumps(dataclasses.asdict(self.state)),
+            "trainer_state": self._state_json.dumps(self.state),
             "rng": rng_state(),
             "loader": self.loader.state_dict(),
         }
@@ -354,7 +367,7 @@ class DLFleetTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
-        self.checkpointer.save(self.state.global_step, state, overlap=(self._module(), optimizer))
+        return state
 
     def _module(self) -> nn.Module:
         if not isinstance(self.model, nn.Module):
@@ -398,6 +411,35 @@ class _SaveEveryStep(TrainerCallback):
         folder = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
         if folder.is_dir() and self.trainer.is_world_process_zero():
             torch.save(loader.state_dict(), folder / LOADER_FILE)
+
+
+class _StateJson:
+    """HF's `TrainerState` as JSON, as `TrainerState.save_to_json` writes it.
+    Its `log_history` grows by a line per logging step and its past lines
+    do not change: they are encoded once, not at every save."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._encoded: list[Any] = []  # the entries `_lines` encode
+
+    def dumps(self, state: TrainerState) -> str:
+        history = state.log_history
+        known = len(self._encoded)
+        if len(history) < known or any(
+            a is not b for a, b in zip(history[:known], self._encoded, strict=True)
+        ):
+            self._lines, self._encoded, known = [], [], 0  # replaced or cut: again
+        for entry in history[known:]:
+            self._lines.append(json.dumps(entry, sort_keys=True))
+            self._encoded.append(entry)
+        fields = {
+            f.name: getattr(state, f.name)
+            for f in dataclasses.fields(state)
+            if f.name != "log_history"
+        }
+        rest = json.dumps(fields, sort_keys=True)
+        history_json = "[" + ", ".join(self._lines) + "]"
+        return rest[:-1] + (", " if fields else "") + f'"log_history": {history_json}}}'
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -78,7 +78,14 @@ class DLFleetCheckpoint(Callback):
     persisted copies in torch.distributed.checkpoint format under
     `persist_dir` (default `$DLFLEET_WORKDIR/checkpoints`; 0: never)."""
 
-    def __init__(self, *, persist_every: int = 0, persist_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        save_every: int | str = "auto",
+        persist_every: int = 0,
+        persist_dir: str | Path | None = None,
+    ) -> None:
+        self.save_every = save_every
         self.persist_every = persist_every
         self.persist_dir = persist_dir
         self.checkpointer: Checkpointer | None = None
@@ -92,7 +99,7 @@ class DLFleetCheckpoint(Callback):
             return
         _follow_the_round(trainer)
         self.checkpointer = Checkpointer(
-            persist_every=self.persist_every, persist_dir=self.persist_dir
+            every=self.save_every, persist_every=self.persist_every, persist_dir=self.persist_dir
         )
         self.restored = self.checkpointer.load()
         if self.restored is not None:
@@ -155,10 +162,10 @@ class DLFleetCheckpoint(Callback):
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is None:
             return
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        connector = trainer._checkpoint_connector
         self.checkpointer.save(
             trainer.global_step,
-            {STATE_KEY: checkpoint},
+            lambda: {STATE_KEY: connector.dump_checkpoint(weights_only=False)},
             overlap=(pl_module, *trainer.optimizers),
         )
         self._last_saved = trainer.global_step
