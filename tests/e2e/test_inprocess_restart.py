@@ -45,6 +45,7 @@ class Run:
         *,
         flags: Sequence[str] = (),
         args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         argv = [
             sys.executable, "-m", "dlfleet.worker.agent.loop",
@@ -56,7 +57,12 @@ class Run:
         with (self.root / f"{name}.log").open("wb") as log:
             self.agents[name] = subprocess.Popen(
                 argv,
-                env={**os.environ, "DLFLEET_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "lo"},
+                env={
+                    **os.environ,
+                    "DLFLEET_TOKEN": TOKEN,
+                    "GLOO_SOCKET_IFNAME": "lo",
+                    **(env or {}),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -147,6 +153,35 @@ def test_a_killed_rank_is_taken_over_by_a_spare_and_the_survivor_keeps_its_proce
         assert steps == list(range(300))
     assert all(line["sum"] == 2.0 for line in later)
     assert "takes over local rank 0" in job.log("a") + job.log("b")
+
+
+def test_a_rank_killed_while_its_spare_is_still_starting_waits_for_that_spare(
+    run: Callable[[int, int], Run],
+) -> None:
+    """A spare that has not attached yet (still importing) is further along
+    than a process started at the failure: it takes the rank when it attaches."""
+    job = run(2, 2)
+    slow = {"INPROCESS_STEPS_SPARE_DELAY_S": "4"}
+    job.agent("a", steps=150, env=slow)
+    job.agent("b", steps=150, env=slow)
+    job.wait(lambda: all("started spare process" in job.log(n) for n in "ab"), "spares starting")
+    node = next(n for n in "ab" if "round 1: group rank 1 of 2" in job.log(n))  # rank 1's
+    assert "attached as a spare" not in job.log(node)
+    pids = {line["rank"]: line["pid"] for line in job.steps()}
+    os.kill(pids[1], signal.SIGKILL)
+
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.log("a"), job.log("b"))
+    later = [line for line in job.steps() if line["round"] > 1]
+    final = {line["rank"]: line for line in later}
+    assert final[0]["pid"] == pids[0], "the survivor was restarted as a new process"
+    log = job.log(node)
+    first_spare = re.search(r"started spare process (\d+)", log)
+    assert first_spare is not None
+    spare = first_spare.group(1)  # the one started before the kill
+    assert final[1]["pid"] == int(spare), log
+    assert f"spare process {spare}, still starting, takes over local rank 0" in log, log
+    assert "no spare ready" not in log, log
 
 
 def test_a_lost_node_leaves_its_peer_training_in_place_in_a_smaller_world(

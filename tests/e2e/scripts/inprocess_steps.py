@@ -8,7 +8,8 @@ attempt appends one JSON line per step to `OUT_DIR/steps-r<round>-g<rank>.jsonl`
 (round, rank, world size, pid, the attempt's index in its process, the sum of
 an all-reduce of ones) and runs STEPS steps from 0. With HANG_RANK and
 HANG_STEP, that rank hangs (sleeps, in Python, without stepping) at that step
-of round 1.
+of round 1. With $INPROCESS_STEPS_SPARE_DELAY_S, a spare process sleeps that
+long before it attaches (a slow start-up).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from dlfleet import elastic
 from dlfleet.worker import progress
 
+SPARE_DELAY_ENV = "INPROCESS_STEPS_SPARE_DELAY_S"  # the tests' knob, see main()
+
 
 def main() -> None:
     out, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -33,6 +36,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     started = time.time()
+    if os.environ.get("DLFLEET_SPARE") == "1":
+        # A spare that starts slowly (a large import, a model to build).
+        time.sleep(float(os.environ.get(SPARE_DELAY_ENV, "0")))
 
     def train(attempt: elastic.Attempt) -> None:
         ddp = DistributedDataParallel(model)

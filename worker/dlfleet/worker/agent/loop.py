@@ -713,6 +713,12 @@ class Agent:
             time.sleep(0.01)
         group.begin_round()
         spares = [pid for pid in self.orders.spares() if pid in group.spare_pids]
+        # Spares still starting (importing, building the model): each is further
+        # along than a process started now would be, and takes its order when
+        # it attaches.
+        starting = [
+            pid for pid in group.spare_pids if pid not in spares and not self.orders.attached(pid)
+        ]
         seated = len(group.pids)
         for local_rank in range(self.config.nproc_per_node):
             pid = group.pids[local_rank] if local_rank < seated else 0
@@ -730,6 +736,15 @@ class Agent:
                 group.promote(local_rank, spare, error_file)
                 self.orders.send(spare, order)
                 _log.info("spare process %d takes over local rank %d", spare, local_rank)
+            elif starting:
+                spare = starting.pop(0)
+                group.promote(local_rank, spare, error_file)
+                self.orders.expect(spare, order)
+                _log.info(
+                    "spare process %d, still starting, takes over local rank %d when it attaches",
+                    spare,
+                    local_rank,
+                )
             else:
                 self.orders.forget(pid)
                 new = group.replace(
