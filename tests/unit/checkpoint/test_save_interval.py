@@ -51,12 +51,14 @@ def test_auto_saves_every_step_while_it_measures_then_as_its_cost_allows(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps of ~5 ms and a save of about a millisecond: past the measured
-    saves it saves every k > 1 steps, says why, and a new round measures again."""
+    saves (every step, then two a probe's interval apart) it saves every
+    k > 1 steps, says why, and a new round measures again."""
     monkeypatch.setattr(module, "AUTO_SAMPLES", 6)
+    monkeypatch.setattr(module, "AUTO_PROBE_EVERY", 4)
     caplog.set_level(logging.INFO, logger="dlfleet.checkpoint")
     saved: list[int] = []
     with Checkpointer(every="auto") as ckpt:
-        for step in range(1, 60):
+        for step in range(1, 80):
             before = ckpt.saves
             ckpt.save(step, {"w": torch.full((1024,), float(step))})
             if ckpt.saves > before:
@@ -64,9 +66,10 @@ def test_auto_saves_every_step_while_it_measures_then_as_its_cost_allows(
             time.sleep(0.005)
         every = ckpt.every
         assert every > 1
-        assert saved[:7] == list(range(1, 8))  # 6 measured: the 7th chose
-        assert all(step % every == 0 for step in saved[7:])
-        assert f'every="auto": saving every {every} step(s) from step 7 on' in caplog.text
+        # 6 intervals measured (steps 1-7), then the probes at 8 and 12: 12 chose.
+        assert saved[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 12]
+        assert all(step % every == 0 for step in saved[9:]) and saved[9:]
+        assert f'every="auto": saving every {every} step(s) from step 12 on' in caplog.text
         ckpt.load()  # a new round's restore: it measures again
         assert ckpt.every == 1
 
@@ -79,6 +82,7 @@ def test_auto_measures_again_in_a_new_round_whatever_is_called_first(
     measuring. Else a survivor (every k) and a spare (every step) would save
     different steps, and every="auto"'s all-reduce would pair them wrongly."""
     monkeypatch.setattr(module, "AUTO_SAMPLES", 4)
+    monkeypatch.setattr(module, "AUTO_PROBE_EVERY", 2)
     monkeypatch.setattr(module, "_agreed_max", lambda value: 7)  # what the ranks agreed
     monkeypatch.setenv(ROUND_ENV, "1")
     with Checkpointer(every="auto") as ckpt:
@@ -109,3 +113,24 @@ def test_a_state_given_as_a_function_is_built_only_for_due_steps_and_its_time_co
         assert ckpt.blocked_s >= 3 * 0.02
         image = ckpt.last_image
         assert image is not None and image.step == 6
+
+
+def test_auto_weighs_what_a_save_slows_the_steps_not_only_its_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save that blocks little but slows the steps after it (as background
+    work on a busy host does) is weighed by that slowdown: steps of 2 ms
+    without saves, 6 ms with one each step: a save costs ~4 ms, 2 steps' worth,
+    so every="auto" saves at most every ~200 steps at its 1%."""
+    monkeypatch.setattr(module, "AUTO_SAMPLES", 6)
+    monkeypatch.setattr(module, "AUTO_PROBE_EVERY", 4)
+    slow_after_save = [False]
+    with Checkpointer(every="auto") as ckpt:
+        for step in range(1, 20):
+            before = ckpt.saves
+            ckpt.save(step, {"w": torch.zeros(8)})
+            if ckpt.saves > before:
+                slow_after_save[0] = True
+            time.sleep(0.006 if slow_after_save[0] else 0.002)
+            slow_after_save[0] = False
+        assert 100 <= ckpt.every <= 400, ckpt.every

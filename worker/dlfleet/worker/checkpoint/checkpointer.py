@@ -34,12 +34,15 @@ node's images together (and the peer's replica of them) hold it whole.
 
 How often: `every=k` saves the steps that are multiples of k (the others
 return at once; `due(step)` says which, so a script can skip building the
-state). `every="auto"` saves every step of a round's first AUTO_SAMPLES, then
-every k steps, k the smallest that keeps a save's blocking under
-AUTO_TARGET of the training time (1 on long steps); the ranks agree on the
-largest k any of them needs (one all-reduce, at the same step on every
-rank), and rank 0 logs what was chosen and why. A failure then loses at most
-k steps.
+state). `every="auto"` saves every step of a round's first AUTO_SAMPLES,
+then twice AUTO_PROBE_EVERY steps apart (to time steps without a save), then
+every k steps, k the smallest that keeps what saves cost the training under
+AUTO_TARGET of it (1 on long steps). A save's cost: how much slower a step
+with a save trains than one without, at least the save's blocking (on a
+busy host its background copy, checksums and messages take CPU from the
+training too). The ranks agree on the largest k any of them needs (one
+all-reduce, at the same step on every rank), and rank 0 logs what was
+chosen and why. A failure then loses at most k steps.
 
 Persistence: at the saves of steps that are multiples of `persist_every`
 and at `close()` (each step once: a due last step is not written again), a
@@ -133,7 +136,8 @@ SIGTERM_PERSIST_S = 5.0
 TERM_HANDLER_WAIT_S = 0.5  # then SIGTERM is sent to the main thread itself (see TermWatch)
 _WAIT_SLICE_S = 0.05  # how often a waiting save looks whether the round ended
 AUTO_SAMPLES = 16  # saves measured at the start of each round by every="auto"
-AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves block
+AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves cost
+AUTO_PROBE_EVERY = 16  # then every="auto" saves this far apart, twice, to time plain steps
 AUTO_MAX_EVERY = 10_000
 _CALL_TIMEOUT_S = 10.0
 # Slots of a rank's images under an agent: the agent's answers may trail the
@@ -166,10 +170,14 @@ class ImageTimes:
 
 
 class Checkpointer:
-    # every="auto": (blocked s, step s) of this round's measured saves, and
-    # the (time, step) of the last call to save().
+    # every="auto": (blocked s, step s) of this round's measured saves.
     _auto_samples: list[tuple[float, float]]
-    _last_call: tuple[float, int] | None
+    # every="auto": "sample" (a save every step), "probe" (saves AUTO_PROBE_EVERY
+    # apart), "chosen"; the (start, step, blocked s) of the last save; the probe
+    # saves made.
+    _auto_phase: str
+    _auto_last: tuple[float, int, float] | None
+    _auto_probes: int
 
     def __init__(
         self,
@@ -291,8 +299,6 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world, round_ = _context()
         self._enter(round_)
-        called = self._last_call
-        self._last_call = (started, step)
         if not self.due(step):
             return
         if callable(state):
@@ -327,8 +333,8 @@ class Checkpointer:
         blocked = time.perf_counter() - started + held
         self.blocked_s += blocked
         progress.saved(step, blocked)
-        if self.auto and called is not None and step > called[1]:
-            self._measure(blocked, (started - called[0]) / (step - called[1]), step, rank)
+        if self.auto:
+            self._measure(blocked, started, step, rank)
 
     def _set_cadence(self, every: int | str, persist_every: int, keep_persisted: int) -> None:
         if persist_every < 0:
@@ -341,7 +347,7 @@ class Checkpointer:
         # The save interval in steps (under "auto": 1 until chosen in a round).
         self.every = 1 if isinstance(every, str) else every
         self._auto_samples = []
-        self._last_call = None
+        self._auto_phase, self._auto_last, self._auto_probes = "sample", None, 0
 
     def due(self, step: int) -> bool:
         """Whether `save(step, ...)` saves (every rank answers the same: a
@@ -370,32 +376,48 @@ class Checkpointer:
         if self.auto:
             self.every = 1
             self._auto_samples = []
-            self._last_call = None
+            self._auto_phase, self._auto_last, self._auto_probes = "sample", None, 0
 
-    def _measure(self, blocked_s: float, step_s: float, step: int, rank: int) -> None:
-        """every="auto": keep a round's first AUTO_SAMPLES saves' costs, then
-        choose the interval with the other ranks (the same save on every
-        rank: they all save every step until then)."""
-        if self.every != 1 or len(self._auto_samples) >= AUTO_SAMPLES:
+    def _measure(self, blocked_s: float, started: float, step: int, rank: int) -> None:
+        """every="auto", at each save: first AUTO_SAMPLES saves at every step
+        (each interval a step and a save), then two saves AUTO_PROBE_EVERY
+        steps apart (the steps between them train without saves); then
+        choose the interval with the other ranks. Every rank saves the same
+        steps throughout (the phases change at the same save on each)."""
+        last, self._auto_last = self._auto_last, (started, step, blocked_s)
+        if self._auto_phase == "chosen" or last is None or step <= last[1]:
             return
-        self._auto_samples.append((blocked_s, step_s))
-        if len(self._auto_samples) < AUTO_SAMPLES:
+        if self._auto_phase == "sample":
+            self._auto_samples.append((blocked_s, (started - last[0]) / (step - last[1])))
+            if len(self._auto_samples) >= AUTO_SAMPLES:
+                self._auto_phase, self.every = "probe", AUTO_PROBE_EVERY
             return
+        self._auto_probes += 1
+        if self._auto_probes < 2:  # the first probe save follows the sampled ones
+            return
+        # The steps since the last save, less that save's own blocking.
+        plain = max((started - last[0] - last[2]) / (step - last[1]), 1e-6)
         blocked = statistics.median_high(b for b, _ in self._auto_samples)
-        training = max(statistics.median_high(t for _, t in self._auto_samples) - blocked, 1e-6)
-        needed = math.ceil(blocked / (AUTO_TARGET * training))
+        with_save = statistics.median_high(t for _, t in self._auto_samples)
+        # What a save costs the training: the step it is made after trains
+        # this much slower (the blocking, and on a busy host the background
+        # copy, checksums and messages taking CPU from the training).
+        cost = max(with_save - plain, blocked)
+        needed = math.ceil(cost / (AUTO_TARGET * plain))
         every = _agreed_max(min(max(needed, 1), AUTO_MAX_EVERY))
-        self.every = every
+        self.every, self._auto_phase = every, "chosen"
         if rank == 0:  # shown without any logging set up: it bounds what a failure loses
             _log.warning(
-                'every="auto": saving every %d step(s) from step %d on: a save blocked '
-                "%.2f ms of steps that train %.2f ms (median of %d); at most %.0f%% of the "
-                "time goes to saves, a failure loses at most %d step(s)",
+                'every="auto": saving every %d step(s) from step %d on: a save cost %.2f ms of '
+                "training (blocked %.2f ms; a step trains %.2f ms without a save, %.2f ms with "
+                "one each step; medians); at most %.0f%% of the time goes to saves, a failure "
+                "loses at most %d step(s)",
                 every,
                 step,
+                cost * 1000,
                 blocked * 1000,
-                training * 1000,
-                AUTO_SAMPLES,
+                plain * 1000,
+                with_save * 1000,
                 AUTO_TARGET * 100,
                 every,
             )
