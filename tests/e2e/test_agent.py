@@ -145,6 +145,7 @@ def test_two_agents_train_together_with_every_torchrun_variable_set(
         assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
         assert env["DLFLEET_MASTER"] == master.address and env["DLFLEET_ROUND"] == "1"
         assert env["DLFLEET_NODE_ID"] in ("a#1", "b#1")
+        assert env["DLFLEET_MAX_NODES"] == "2"  # the master's: the largest world's nodes
 
 
 def test_a_killed_agent_restarted_rejoins_and_both_finish(job: Callable[..., Any]) -> None:

@@ -41,6 +41,9 @@ KEEPER_ENV = "DLFLEET_KEEPER"
 # "1" in a spare worker (started ahead of a failure). Set by the agent; read
 # by the in-process restart runner.
 SPARE_ENV = "DLFLEET_SPARE"
+# The job's largest node count (the master's --max-nodes), set by dlworker for
+# its workers: the largest world is this times LOCAL_WORLD_SIZE.
+MAX_NODES_ENV = "DLFLEET_MAX_NODES"
 # The agent keeper's folder for this node's checkpoint images. Set by the
 # agent (or the torchrun rendezvous handler) for its workers; read by the
 # checkpointer.

@@ -44,6 +44,7 @@ KEYS = [
     "DLFLEET_MASTER",
     "DLFLEET_ROUND",
     "DLFLEET_NODE_ID",
+    "DLFLEET_MAX_NODES",
 ]
 
 

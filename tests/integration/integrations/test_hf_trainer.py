@@ -172,3 +172,22 @@ def test_hf_save_steps_folders_carry_the_loader_so_their_resume_is_exact(tmp_pat
     kept = [entry for entry in first.trained if entry[0] <= 10]
     assert [s for s, _, _ in second.trained] == list(range(11, 21))
     assert_each_record_once_per_epoch(kept + second.trained)
+
+
+@pytest.mark.parametrize(("max_nodes", "epochs"), [(None, 2), ("4", 5)])
+def test_a_step_budget_takes_the_data_epochs_of_the_largest_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_nodes: str | None, epochs: int
+) -> None:
+    """15 steps: at world 1 (10 steps an epoch) 2 epochs; in a job that may
+    grow to 4 nodes of 1 process (3 steps an epoch there) 5, so a grown world
+    does not run out of data. The world of 1 stops at step 15 all the same."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    if max_nodes is None:
+        monkeypatch.delenv("DLFLEET_MAX_NODES", raising=False)
+    else:
+        monkeypatch.setenv("DLFLEET_MAX_NODES", max_nodes)
+    trainer = make_trainer(tmp_path / "out", args={"max_steps": 15})
+    trainer.get_train_dataloader()
+    assert trainer.loader is not None and trainer.loader.epochs == epochs
+    result = trainer.train()
+    assert result.global_step == 15

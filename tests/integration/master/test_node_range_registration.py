@@ -44,6 +44,7 @@ def test_a_node_range_that_differs_is_registered_with_a_warning_on_both_sides(
     assert registered.nnodes_warning.startswith("--nnodes 1:3 is not the master's node range")
     assert "--min-nodes 2 --max-nodes 2 decide the world size" in registered.nnodes_warning
     assert f"node a: {registered.nnodes_warning}" in caplog.text
+    assert registered.max_nodes == 2  # the master's: the largest world is 2 nodes' worth
 
 
 def test_a_node_that_gave_no_range_or_the_masters_registers_without_a_word(
@@ -56,4 +57,5 @@ def test_a_node_that_gave_no_range_or_the_masters_registers_without_a_word(
             job_name="job", node_name="b", local_world_size=1, nnodes=(2, 2)
         )
     assert silent.nnodes_warning == same.nnodes_warning == ""
+    assert silent.max_nodes == same.max_nodes == 2
     assert "--nnodes" not in caplog.text

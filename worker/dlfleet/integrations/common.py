@@ -1,17 +1,21 @@
 """What both framework adapters need: the random generators' state as one
-checkpoint value, and the number of data epochs a step budget needs.
+checkpoint value, the number of data epochs a step budget needs, and the
+largest world that budget may be trained in.
 
 Imports no framework."""
 
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+from dlfleet.api.env import MAX_NODES_ENV
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,3 +47,14 @@ def epochs_for_steps(
     batches = math.ceil(records / (batch_per_rank * world))
     steps_per_epoch = max(math.ceil(batches / accumulation), 1)
     return max(math.ceil(max_steps / steps_per_epoch), 1)
+
+
+def largest_world(world: int) -> int:
+    """The largest world size this job may train in: the master's node
+    count at most (dlworker and the dlfleet rendezvous say it) times this
+    node's processes; `world` (the current one) where nothing says so."""
+    nodes = os.environ.get(MAX_NODES_ENV, "")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if nodes.isdigit() and local.isdigit():
+        return max(world, int(nodes) * int(local))
+    return world

@@ -1,5 +1,5 @@
-"""Hugging Face `Trainer` on dlfleet: exactly-once data and a checkpoint in
-memory every step, by changing one line.
+"""Hugging Face `Trainer` on dlfleet: exactly-once data and checkpoints in
+memory, by changing one line.
 
     from dlfleet.integrations.hf import DLFleetTrainer
 
@@ -13,12 +13,15 @@ What changes under the subclass:
   is not given to `accelerator.prepare`, which would split its batches a
   second time, and HF's data skipping on resume is off: the loader's own
   state says which records the model has seen. Its epochs are the run's
-  (`num_train_epochs`, or the epochs `max_steps` takes at the first round's
-  world size), registered once for the job.
-- Every optimizer step is checkpointed through `dlfleet.Checkpointer` (model,
+  (`num_train_epochs`, or the epochs `max_steps` takes in the largest world
+  the job may have: the master's node count at most times a node's
+  processes, so that a world that grows does not run out of data; a smaller
+  one stops at `max_steps` with data left), registered once for the job.
+- Optimizer steps are checkpointed through `dlfleet.Checkpointer` (model,
   optimizer, scheduler, grad scaler, the random generators, HF's
-  `TrainerState` and the loader), the parameters and optimizer state copied
-  while the next step's forward and backward run. `train()` first restores
+  `TrainerState` and the loader) as often as `save_every` says ("auto": as
+  keeps the saves under 1% of the training time), the parameters and
+  optimizer state copied while the next step's forward and backward run. `train()` first restores
   the newest step every rank saved: from this node's memory, a peer node's
   replica, or disk. HF's counters (global step, epoch, logged loss since the
   restore, `train_loss` of this call) continue from there as after HF's own
@@ -61,7 +64,7 @@ from dlfleet.worker.checkpoint.checkpointer import Checkpointer, Restored
 from dlfleet.worker.loader import ShardedDataLoader
 from dlfleet.worker.loader.padding import zero_weight
 
-from .common import epochs_for_steps, rng_state, set_rng_state
+from .common import epochs_for_steps, largest_world, rng_state, set_rng_state
 
 LOADER_FILE = "dlfleet_loader.pt"  # the loader's state in HF's checkpoint folders
 
@@ -238,7 +241,7 @@ class DLFleetTrainer(Trainer):
                 args.max_steps,
                 records,
                 self._train_batch_size,
-                args.world_size,
+                largest_world(args.world_size),
                 args.gradient_accumulation_steps,
             )
         else:

@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from dlfleet.api.client import AgentSession, MasterClient, join_request
-from dlfleet.api.env import CHECKPOINT_DIR_ENV, KEEPER_ENV, TOKEN_ENV
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, KEEPER_ENV, MAX_NODES_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, Unavailable
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent.keeper import ImageKeeper
@@ -156,6 +156,8 @@ class DlfleetRendezvousHandler(RendezvousHandler):
         except (LookupError, OSError, ValueError) as error:
             raise RendezvousError(str(error)) from error
         self._node_id, self._incarnation = registered.node_id, registered.incarnation
+        if registered.max_nodes > 0:  # the workers inherit torchrun's environment
+            os.environ[MAX_NODES_ENV] = str(registered.max_nodes)
         interval = max(registered.heartbeat_interval_ms, 100) / 1000
         self._session = self._client.agent_session(self._node_id, self._incarnation, interval)
         self._start_keeper()

@@ -254,6 +254,7 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             restarts_in_place=self.state.restarts_in_place,
             observed_host=seen,
             nnodes_warning=nnodes_warning,
+            max_nodes=self.state.rendezvous.settings.max_nodes,
         )
 
     def _judge_nnodes(self, request: nodes_pb2.RegisterNodeRequest) -> str:

@@ -57,6 +57,7 @@ from dlfleet.api.env import (
     AGENT_ENV,
     CHECKPOINT_DIR_ENV,
     CONNECT_BUDGET_ENV,
+    MAX_NODES_ENV,
     NODE_ID_ENV,
     PROGRESS_ENV,
     SPARE_ENV,
@@ -178,6 +179,7 @@ class Agent:
         self._given_host = host
         # GLOO/NCCL/TP_SOCKET_IFNAME for the workers, where the user set none.
         self.interface_env: dict[str, str] = {}
+        self.max_nodes = 0  # the master's --max-nodes, once registered
         self.client = client if client is not None else master_client(config)
         self._worker_group = worker_group
         self._clock = clock
@@ -247,6 +249,7 @@ class Agent:
         )
         self.helper.start()
         self._warm_start_due = registered.restarts_in_place and self.config.spares > 0
+        self.max_nodes = registered.max_nodes  # 0: a master that does not say
         phase: Phase = Checking() if self.config.node_check else Joining(restart_count=0)
         try:
             if isinstance(phase, Joining) and self._warm_start_due:
@@ -525,6 +528,7 @@ class Agent:
                 TOKEN_ENV: self.config.token,
                 AGENT_ENV: self.server.local_address,
                 CHECKPOINT_DIR_ENV: str(self.keeper.own_dir) if self.keeper else "",
+                **({MAX_NODES_ENV: str(self.max_nodes)} if self.max_nodes > 0 else {}),
                 **self.interface_env,
             },
         )
