@@ -196,6 +196,7 @@ class Trainer:
         # at most `epochs` epochs (or rests of one) left.
         for _ in range(self.args.epochs):
             step = self.train_epoch(ddp, loader, step, attempt)
+        self.save(step, loader, final=True)  # the model training ends with, whatever the interval
 
         # The model is replicated: each rank can evaluate it alone (through
         # the plain module, which runs no collective).
@@ -244,10 +245,10 @@ class Trainer:
             )
         return int(restored.step)
 
-    def save(self, step: int, loader: ShardedDataLoader) -> None:
+    def save(self, step: int, loader: ShardedDataLoader, final: bool = False) -> None:
         """Checkpoint between steps, on every rank: loader.state_dict() counts
         the batches that the model has been trained on, and no others."""
-        if not self.checkpointer.due(step):
+        if not (final or self.checkpointer.due(step)):
             return  # every rank answers the same
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {
@@ -257,7 +258,7 @@ class Trainer:
         }
         # The model's and optimizer's tensors are copied while the next
         # step's forward and backward run; its optimizer.step() waits for them.
-        self.checkpointer.save(step, state, overlap=(self.model, self.optimizer))
+        self.checkpointer.save(step, state, overlap=(self.model, self.optimizer), force=final)
 
     def train_epoch(
         self,

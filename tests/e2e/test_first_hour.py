@@ -19,10 +19,11 @@ from harness import JobProcess
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart"
-# An epoch of 5,000 steps of 2 x 8 records: the quickstart's model trains
-# about ten thousand records a second in batches of 32 (its saves every few
-# dozen steps), too fast to watch for ten seconds within an epoch.
-RECORDS = 80_000
+# An epoch of 15,000 steps of 2 x 8 records (~6,000-10,000 records a second
+# here, its saves every few hundred steps): the quickstart's own 32,768
+# records in batches of 32 go by too fast to watch for ten seconds within an
+# epoch.
+RECORDS = 240_000
 
 
 def test_the_quickstart_says_what_it_trains_and_little_else(tmp_path: Path) -> None:

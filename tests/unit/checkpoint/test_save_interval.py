@@ -134,3 +134,14 @@ def test_auto_weighs_what_a_save_slows_the_steps_not_only_its_blocking(
             time.sleep(0.006 if slow_after_save[0] else 0.002)
             slow_after_save[0] = False
         assert 100 <= ckpt.every <= 400, ckpt.every
+
+
+def test_a_forced_save_keeps_the_last_step_once() -> None:
+    with Checkpointer(every=4) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, {"w": torch.full((2,), float(step))})
+        ckpt.save(6, {"w": torch.full((2,), 6.0)}, force=True)  # the run's last step
+        ckpt.save(6, {"w": torch.full((2,), 6.0)}, force=True)  # already saved: not again
+        assert ckpt.saves == 2  # 4, then 6
+        image = ckpt.last_image
+        assert image is not None and image.step == 6

@@ -344,13 +344,17 @@ class DLFleetTrainer(Trainer):
 
     # ----------------------------------------------------------- checkpoint
 
-    def save_dlfleet_checkpoint(self) -> None:
-        """Checkpoint the step just taken (HF's `global_step`), on every rank."""
+    def save_dlfleet_checkpoint(self, *, force: bool = False) -> None:
+        """Checkpoint the step just taken (HF's `global_step`), on every rank,
+        when `save_every` says it is due (always with `force`)."""
         if self.checkpointer is None or self.loader is None:
             return
         optimizer = _inner_optimizer(self.optimizer)
         self.checkpointer.save(
-            self.state.global_step, self._dlfleet_state, overlap=(self._module(), optimizer)
+            self.state.global_step,
+            self._dlfleet_state,
+            overlap=(self._module(), optimizer),
+            force=force,
         )
 
     def _dlfleet_state(self) -> dict[str, Any]:
@@ -399,6 +403,16 @@ class _SaveEveryStep(TrainerCallback):
     ) -> None:
         self.trainer._fix_epoch(state)
         self.trainer.save_dlfleet_checkpoint()
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """The step training ends with is kept, whatever the interval."""
+        self.trainer.save_dlfleet_checkpoint(force=True)
 
     def on_save(
         self,

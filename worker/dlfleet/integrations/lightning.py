@@ -141,6 +141,10 @@ class DLFleetCheckpoint(Callback):
         if trainer.global_step != self._last_saved:  # an optimizer step was taken
             self._save(trainer, pl_module)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The step training ends with is kept, whatever the interval."""
+        self._save(trainer, pl_module, force=True)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._close()
@@ -161,7 +165,9 @@ class DLFleetCheckpoint(Callback):
             self.checkpointer.close()  # persists the newest step, when persisting
             self.checkpointer = None
 
-    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _save(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, force: bool = False
+    ) -> None:
         if self.checkpointer is None:
             return
         connector = trainer._checkpoint_connector
@@ -169,6 +175,7 @@ class DLFleetCheckpoint(Callback):
             trainer.global_step,
             lambda: {STATE_KEY: connector.dump_checkpoint(weights_only=False)},
             overlap=(pl_module, *trainer.optimizers),
+            force=force,
         )
         self._last_saved = trainer.global_step
 

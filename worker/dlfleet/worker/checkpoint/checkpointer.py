@@ -267,8 +267,13 @@ class Checkpointer:
         state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
         *,
         overlap: Sequence[Any] = (),
+        force: bool = False,
     ) -> None:
         """Checkpoint `state` as of `step` (call it between steps, on every rank).
+
+        `force`: save the step even when it is not due (the last step of a
+        run, so that the model it ends with is the one kept; every rank at
+        the same step); a step already saved is not saved again.
 
         `state` may be a function that returns it: it is called only when
         the step is due (see `every`), and the time it takes counts as the
@@ -299,7 +304,7 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world, round_ = _context()
         self._enter(round_)
-        if not self.due(step):
+        if not (force or self.due(step)) or (force and step == self._last_saved):
             return
         if callable(state):
             state = state()
