@@ -456,7 +456,7 @@ class _StateJson:
         }
         rest = json.dumps(fields, sort_keys=True)
         history_json = "[" + ", ".join(self._lines) + "]"
-        return rest[:-1] + (", " if fields else "") + f'"log_history": {history_json}}}'
+        return rest[:-1] + f', "log_history": {history_json}}}'
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -720,9 +720,7 @@ class Agent:
         # Spares still starting (importing, building the model): each is further
         # along than a process started now would be, and takes its order when
         # it attaches.
-        starting = [
-            pid for pid in group.spare_pids if pid not in spares and not self.orders.attached(pid)
-        ]
+        starting = [pid for pid in group.spare_pids if not self.orders.attached(pid)]
         seated = len(group.pids)
         for local_rank in range(self.config.nproc_per_node):
             pid = group.pids[local_rank] if local_rank < seated else 0

@@ -304,7 +304,7 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world, round_ = _context()
         self._enter(round_)
-        if not (force or self.due(step)) or (force and step == self._last_saved):
+        if not (step != self._last_saved if force else self.due(step)):
             return
         if callable(state):
             state = state()

@@ -780,9 +780,7 @@ def _structure(
     parts: list[Any] = [rank, stripe]
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
-            if isinstance(value, DTensor) or hasattr(value, "__create_write_items__"):
-                return None
-            if not _is_plain_tensor(value):
+            if not _is_plain_tensor(value):  # DTensor, ShardedTensor, any subclass
                 return None
             parts.append(
                 (fqn, mappings.get(fqn), tuple(value.shape), value.dtype, value.device,
