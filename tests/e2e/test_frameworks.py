@@ -12,14 +12,17 @@ exactly once.
   own folders. HF's `DLFleetTrainer` restarts in place: the surviving rank
   keeps its process and trains in the next round; Lightning's group
   restarts cold.
-- A machine lost (every process of host b killed, tests/netns.py): the
-  survivor on host a trains alone in a world of one, from its own memory;
+- A machine lost (every process of rank 1's host killed, tests/netns.py):
+  the survivor trains alone in a world of one, from its own memory;
   Lightning's environment follows the round instead of refusing a world
-  that is not `devices x num_nodes`.
+  that is not `devices x num_nodes`. Lightning's rank 0, stopped by its
+  agent on the way to the next round, persists a step whole at once: the
+  lost rank's part from the replica its machine sent, not waited for.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import time
@@ -31,6 +34,8 @@ import pytest
 from e2e.ledger import LedgerReport, assert_exactly_once, read_ledger
 from harness import JobProcess
 from netns import NetLab, Output, require_netns, user_env
+
+from dlfleet.worker.checkpoint import persist
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -128,6 +133,10 @@ def steps_logged(ledger: Path) -> int:
     return len(read_ledger(ledger)[0]) if ledger.exists() else 0
 
 
+def rank0_steps(ledger: Path) -> int:
+    return sum(1 for entry in read_ledger(ledger)[0] if entry.rank == 0)
+
+
 def wait_steps(ledger: Path, count: int, timeout: float, *outputs: Output) -> None:
     deadline = time.monotonic() + timeout
     while steps_logged(ledger) < count:
@@ -143,7 +152,7 @@ def test_a_lost_machine_leaves_its_peer_training_alone_from_memory_exactly_once(
 ) -> None:
     job = lab.shared / secrets.token_hex(4)
     job.mkdir()
-    ledger = job / "ledger"
+    ledger, disk = job / "ledger", job / "disk"
     env = user_env(DLFLEET_TOKEN=TOKEN)
     bin_dir = Path(sys.executable).parent
     serve = [
@@ -159,15 +168,42 @@ def test_a_lost_machine_leaves_its_peer_training_alone_from_memory_exactly_once(
             str(FRAMEWORKS[framework]), "--ledger-dir", str(ledger), "--size", str(SIZE),
             "--sleep-per-step", "0.1", "--dlfleet-save-every", "1",
         ]  # fmt: skip
+        if framework == "lightning":  # restarted cold: it persists on SIGTERM
+            worker += ["--dlfleet-persist-every", "1000", "--dlfleet-persist-dir", str(disk)]
         nodes = {host: Output(f"node {host}", lab.popen(host, worker, env)) for host in "ab"}
         wait_steps(ledger, 2 * 12, 150, master, *nodes.values())
-        lab.kill_host("b")
-        assert nodes["a"].wait_exit(180) == 0, nodes["a"].tail(60)
+        # The machine of rank 1 is lost; rank 0's survives. Lost just as rank
+        # 0 begins a step (its ledger line comes before the step's sleep): its
+        # agent stops it before its next collective could fail on the dead peer.
+        first = {
+            h: n.wait_for(r"round 1: group rank (\d)", timeout=10)[1] for h, n in nodes.items()
+        }
+        lost, kept = sorted(nodes, key=lambda h: first[h].group(1) == "0")
+        begun = rank0_steps(ledger)
+        while rank0_steps(ledger) == begun:
+            time.sleep(0.005)
+        lab.kill_host(lost)
+        assert nodes[kept].wait_exit(180) == 0, nodes[kept].tail(60)
     finally:
         lab.kill_processes()
     report = assert_exactly_once(ledger, size=SIZE, epochs=EPOCHS)
     worlds = [entry.world for entry in read_ledger(ledger)[0]]
     assert worlds[0] == 2 and worlds[-1] == 1, sorted(set(worlds))
-    # From host a's own memory: a recent step, not the start.
+    # From the survivor's own memory: a recent step, not the start.
     assert min(restored_steps(report)) >= 10, report.restores
-    assert "from memory" in nodes["a"].text(), nodes["a"].tail(60)
+    survivor = nodes[kept].text()
+    assert "from memory" in survivor, nodes[kept].tail(60)
+    if framework == "lightning":
+        # Stopped by its agent, rank 0 persisted a step whole at once: rank
+        # 1's part from the replica its machine had sent, not waited for.
+        written = re.search(
+            r"rank 1 is gone; writing its part of step (\d+) from its replica", survivor
+        )
+        assert written is not None, nodes[kept].tail(60)
+        assert f"terminated: persisted step {written.group(1)} first" in survivor, survivor[-3000:]
+        step = int(written.group(1))
+        folder = persist.step_folder(disk, step)
+        assert (folder / persist.MANIFEST).is_file(), sorted(disk.iterdir())
+        persist.verify_folder(folder)
+        # The Lightning checkpoint of that step, as dlfleet's integration saves it.
+        assert persist.load_persisted_full(folder)["lightning"]["global_step"] == step

@@ -63,7 +63,11 @@ class Regression(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
         self.ledger = Ledger(cli, "lightning_ledger_train")
         self.loader: ShardedDataLoader | None = None
-        self.fleet = DLFleetCheckpoint(save_every=cli.dlfleet_save_every)
+        self.fleet = DLFleetCheckpoint(
+            save_every=cli.dlfleet_save_every,
+            persist_every=cli.dlfleet_persist_every,
+            persist_dir=cli.dlfleet_persist_dir,
+        )
 
     def on_train_start(self) -> None:
         if self.cli.stock:
@@ -109,6 +113,8 @@ def main() -> None:
         default="auto",
         help="dlfleet's save interval: steps or \"auto\" (the integration's default)",
     )
+    parser.add_argument("--dlfleet-persist-every", type=int, default=0)
+    parser.add_argument("--dlfleet-persist-dir", type=Path, default=None)
     parser.add_argument("--save-every", type=int, default=20, help="--stock: steps")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     cli = parser.parse_args()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dlfleet.api.env import CHECKPOINT_DIR_ENV
-from dlfleet.worker.checkpoint import persist
+from dlfleet.api.env import CHECKPOINT_DIR_ENV, ROUND_ENV
+from dlfleet.worker.checkpoint import files, persist, presence
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +215,115 @@ def test_a_rank_whose_peer_was_killed_persists_at_once_from_the_peers_image(
         assert newest is not None and newest[0] == persisted, newest
         persist.verify_folder(newest[1])
         assert persist.load_persisted_full(newest[1])["step"] == persisted
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_whose_node_died_is_written_from_its_replica_at_once(tmp_path: Path) -> None:
+    """Rank 1 lived on another node, which died; this node keeps its
+    replicas (`<root>/replicas/<node>`), and the agent has written rank 1
+    down as gone in this round (the master's word, see `presence`) before
+    stopping rank 0. Rank 0 finishes step 3 with rank 1's part from the
+    replica, instead of waiting 5 s for a part that never comes."""
+    disk, root = tmp_path / "disk", tmp_path / "node-a"
+    procs = []
+    # Rank 1 writes into what is, on this node, the dead node's replica folder.
+    for rank, folder in ((0, root / "own"), (1, root / files.REPLICAS / "node-b")):
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
+            CHECKPOINT_DIR_ENV: str(folder),
+            ROUND_ENV: "3",
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+        argv = [sys.executable, "-c", NODE, str(disk), "3"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            assert proc.stdout is not None
+            while proc.stdout.readline().strip() != "saved":
+                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        procs[1].kill()
+        assert procs[1].wait(10) == -signal.SIGKILL
+        presence.mark_gone(root / "own", 3, [1])
+        terminated = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(30) == 128 + signal.SIGTERM
+        took = time.monotonic() - terminated
+        assert took < 2.5, f"rank 0 took {took:.1f}s to persist and exit"
+        newest = persist.newest_persisted(disk)
+        assert newest is not None and newest[0] == 3, newest
+        persist.verify_folder(newest[1])
+        assert persist.load_persisted_full(newest[1])["step"] == 3
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+# Closed rather than terminated (the training failed on the dead peer, and the
+# script's handler closes its Checkpointer): close() persists the last step.
+CLOSING = textwrap.dedent(
+    """
+    import sys, time, torch
+    from pathlib import Path
+    from dlfleet import Checkpointer
+    ckpt = Checkpointer(persist_every=1000, persist_dir=sys.argv[1])
+    model = torch.nn.Linear(4, 4)
+    for step in range(1, 4):
+        ckpt.save(step, {"model": model.state_dict(), "step": step})
+    while ckpt.image_times(3) is None:
+        time.sleep(0.01)
+    print("saved", flush=True)
+    while not Path(sys.argv[2]).exists():
+        time.sleep(0.01)
+    ckpt.close()
+    """
+)
+
+
+def test_a_closing_rank_writes_a_dead_nodes_part_from_its_replica(tmp_path: Path) -> None:
+    """As above, but rank 0 closes its Checkpointer: the last step's folder
+    is finished with rank 1's part from the replica, not waited for (60 s)."""
+    disk, root, go = tmp_path / "disk", tmp_path / "node-a", tmp_path / "go"
+    procs = []
+    for rank, folder in ((0, root / "own"), (1, root / files.REPLICAS / "node-b")):
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
+            CHECKPOINT_DIR_ENV: str(folder),
+            ROUND_ENV: "3",
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+        argv = [sys.executable, "-c", CLOSING, str(disk), str(go)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            assert proc.stdout is not None
+            while proc.stdout.readline().strip() != "saved":
+                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        procs[1].kill()
+        assert procs[1].wait(10) == -signal.SIGKILL
+        presence.mark_gone(root / "own", 3, [1])
+        closed = time.monotonic()
+        go.touch()
+        assert procs[0].wait(30) == 0
+        took = time.monotonic() - closed
+        assert took < 2.5, f"rank 0 took {took:.1f}s to close"
+        newest = persist.newest_persisted(disk)
+        assert newest is not None and newest[0] == 3, newest
+        persist.verify_folder(newest[1])
+        assert persist.load_persisted_full(newest[1])["step"] == 3
     finally:
         for proc in procs:
             proc.kill()

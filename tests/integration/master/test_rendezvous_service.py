@@ -132,13 +132,15 @@ def test_a_dead_agents_session_closes_the_round_and_the_survivor_hears_at_once(
     start_master: Callable[..., Running], agents: Callable[..., Agent]
 ) -> None:
     master = start_master(settings(min_nodes=1, max_nodes=2))
-    a, b = agents(master.address, "a"), agents(master.address, "b")
-    join_all([a, b])
+    a, b = agents(master.address, "a"), agents(master.address, "b", lws=2)
+    _, joined_b = join_all([a, b])
     started = time.monotonic()
     b.session.close()  # the agent process died: its stream breaks
     push = a.next_push()
     assert push.closed_round == 1
     assert "lost its session" in push.reason
+    # b's ranks died with it: a persisting survivor waits for no part of theirs.
+    assert push.gone_ranks == (joined_b.rank_offset, joined_b.rank_offset + 1)
     assert time.monotonic() - started < 2, "pushed at once, not after a heartbeat timeout"
     again = a.join()
     assert (again.round, again.group_world_size, again.group_rank) == (2, 1, 0)
@@ -173,6 +175,19 @@ def test_a_node_whose_workers_succeeded_leaves_without_disturbing_the_others(
     time.sleep(0.3)
     assert a.session.events.empty()
     assert master.client.rendezvous_state().round == 1
+
+
+def test_a_node_that_leaves_closes_the_round_naming_no_rank_gone(
+    start_master: Callable[..., Running], agents: Callable[..., Agent]
+) -> None:
+    """A preempted node stops its workers itself (they persist their parts
+    on the way out) before it leaves: none of its ranks is said to be gone."""
+    master = start_master(settings(min_nodes=1, max_nodes=2))
+    a, b = agents(master.address, "a"), agents(master.address, "b")
+    join_all([a, b])
+    b.client.leave_rendezvous(b.node_id, b.incarnation, "preempted")
+    push = a.next_push()
+    assert "preempted" in push.reason and push.gone_ranks == ()
 
 
 def test_a_new_round_releases_the_old_rounds_shard_leases(
@@ -233,9 +248,11 @@ def test_a_silent_agent_is_dropped_after_the_heartbeat_timeout(
             outcome.put(error)
 
     threading.Thread(target=hung_join, daemon=True).start()
-    assert a.join().group_world_size == 2
+    joined = a.join()
+    assert joined.group_world_size == 2
     push = a.next_push(timeout=5)
     assert "missed its heartbeats" in push.reason
+    assert push.gone_ranks == (1 - joined.rank_offset,)  # the silent node's rank
     assert a.join().group_world_size == 1
     assert outcome.get(timeout=5) is None, "the hung node's join had succeeded"
     client.close()

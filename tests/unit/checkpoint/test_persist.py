@@ -15,12 +15,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from unit.checkpoint.states import assert_same, sharded_images, template_like, training_state
 
+from dlfleet.worker.checkpoint import presence
 from dlfleet.worker.checkpoint.errors import (
     ImageChangedError,
     PersistError,
     PersistTimeoutError,
     TemplateRequiredError,
 )
+from dlfleet.worker.checkpoint.files import REPLICAS
 from dlfleet.worker.checkpoint.image import ImageSource, ImageWriter, LocalImage
 from dlfleet.worker.checkpoint.persist import (
     MANIFEST,
@@ -240,6 +242,49 @@ def test_the_node_stand_in_writes_a_gone_ranks_part_from_its_image_of_this_round
     assert node_stand_in(tmp_path, 3, 4, 1) is Absent.NEVER
     assert node_stand_in(tmp_path, 2, 5, 1) is Absent.COMING  # renumbered in round 5
     assert node_stand_in(tmp_path, 2, 4, 0) is Absent.COMING  # never on this node
+
+
+def test_the_node_stand_in_writes_a_dead_nodes_rank_from_its_replica_here(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 lived on another node, whose replicas of steps 1 and 2 of round
+    4 this node keeps. Until the agent writes it down as gone in round 4 its
+    part may still come; after, step 2 comes from the replica and step 3,
+    which no replica holds, never comes. Nothing is said of other rounds."""
+    own = tmp_path / "own"
+    own.mkdir()
+    with ImageWriter(tmp_path / REPLICAS / "node-b", rank=1) as writer:
+        for step in (1, 2):
+            writer.write(step, {"n": step}, round=4, world_size=2, protect=None)
+    assert node_stand_in(own, 2, 4, 1) is Absent.COMING
+    presence.mark_gone(own, 4, [1])
+    found = node_stand_in(own, 2, 4, 1)
+    assert not isinstance(found, Absent)
+    assert (found.header.rank, found.header.step, found.header.round) == (1, 2, 4)
+    assert node_stand_in(own, 3, 4, 1) is Absent.NEVER
+    assert node_stand_in(own, 2, 5, 1) is Absent.COMING  # renumbered in round 5
+    assert node_stand_in(own, 2, 4, 0) is Absent.COMING  # not said to be gone
+
+
+@pytest.mark.parametrize("rank_first", [True, False], ids=["rank-first", "stand-in-first"])
+def test_a_part_written_by_its_rank_and_by_a_stand_in_loads_whole(
+    tmp_path: Path, rank_first: bool
+) -> None:
+    """A node wrongly taken for dead may persist its rank's part while a
+    survivor writes it from the replica: each writes files of its own, and
+    the part file names one whole set, whichever comes last."""
+    full = torch.arange(12.0).reshape(4, 3)
+    rank0, rank1 = sharded_images(tmp_path, full, 2)
+    root = tmp_path / "disk"
+    folder = write_part(rank0, root)
+    prefixes: list[str | None] = [None, "__1_stand_in_"]  # the rank's own files, a stand-in's
+    for prefix in prefixes if rank_first else prefixes[::-1]:
+        write_part(rank1, root, prefix=prefix)
+    assert finish_newest([(folder, 2, 4)], timeout=0.0) == folder
+    verify_folder(folder)
+    template: dict[str, Any] = {"w": torch.zeros(4, 3), "n": 0}
+    load_persisted(template, folder)
+    assert torch.equal(template["w"], full)
 
 
 def test_load_persisted_full_asks_for_a_template_when_tensors_are_sharded(tmp_path: Path) -> None:

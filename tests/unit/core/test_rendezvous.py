@@ -173,6 +173,7 @@ def test_a_dead_member_closes_the_round_and_survivors_reform_without_last_call()
     assert r.state.active is not None
     events = r.remove("b", "died", 100)
     assert any(isinstance(e, RoundClosed) and "b died" in e.reason for e in events)
+    assert all(e.gone_ranks == () for e in events if isinstance(e, RoundClosed))
     assert formed(join(r, "c", 110)) is None
     round_ = formed(join(r, "a", 120))
     assert round_ is not None and round_.round == 2 and len(round_.members) == 2
@@ -537,3 +538,20 @@ def test_a_node_beyond_max_nodes_is_told_it_waits_for_the_round_to_re_form() -> 
         "1 node(s) waiting (b#1); round 1 runs with 1 node(s), max_nodes 1: they join when "
         "it re-forms (a node leaves or fails)"
     )
+
+
+def test_a_member_that_died_closes_its_round_naming_its_ranks_gone() -> None:
+    """Its ranks by torchrun's rule (prefix sums of the local world sizes),
+    kept through the journal."""
+    r = rdzv(min_nodes=1, max_nodes=3)
+    for node, lws in (("a", 2), ("b", 3), ("c", 1)):
+        join(r, node, 0, lws)
+    active = r.state.active
+    assert active is not None
+    member = active.member("b")
+    assert member is not None
+    start = active.rank_offset(member)
+    events = r.remove("b", "lost its session", 100, died=True)
+    closed = [e for e in events if isinstance(e, RoundClosed)]
+    assert [e.gone_ranks for e in closed] == [(start, start + 1, start + 2)]
+    assert RendezvousEvent.from_json(closed[0].to_json()) == closed[0]

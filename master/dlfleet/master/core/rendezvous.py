@@ -187,6 +187,9 @@ class RendezvousEvent:
             data["members"] = tuple(Member(**m) for m in data["members"])
         if kind is NodeJoined:
             data["participant"] = Participant(**data["participant"])
+        if kind is RoundClosed:
+            data["expected"] = tuple(data["expected"])
+            data["gone_ranks"] = tuple(data.get("gone_ranks", ()))
         return kind(**data)
 
 
@@ -247,6 +250,9 @@ class RoundClosed(RendezvousEvent):
     # Every member's workers finished: the job's training is done, and no
     # round forms after this one.
     complete: bool = False
+    # The round's ranks whose node died (not left): their workers are gone,
+    # so a survivor persisting on its way out waits for no part of theirs.
+    gone_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -406,9 +412,16 @@ class Rendezvous:
         return events
 
     def remove(
-        self, node_id: str, reason: str, now_ms: int, close_round: bool = True
+        self,
+        node_id: str,
+        reason: str,
+        now_ms: int,
+        close_round: bool = True,
+        *,
+        died: bool = False,
     ) -> list[RendezvousEvent]:
-        """The node died or left: drop it, and close its round if it had one.
+        """The node died or left: drop it, and close its round if it had one
+        (`died`: its ranks in it are gone, see `RoundClosed.gone_ranks`).
         A node whose workers finished leaves with `close_round=False`: the
         others may still be finishing their last steps."""
         state = self.state
@@ -417,7 +430,11 @@ class Rendezvous:
         if active is not None and active.member(node_id) is not None:
             if close_round:
                 survivors = tuple(m.node_id for m in active.members if m.node_id != node_id)
-                self._emit(events, RoundClosed(active.round, f"{node_id} {reason}", survivors))
+                gone = tuple(global_ranks(active, node_id)) if died else ()
+                closed = RoundClosed(
+                    active.round, f"{node_id} {reason}", survivors, gone_ranks=gone
+                )
+                self._emit(events, closed)
             else:
                 self._emit(events, MemberFinished(active.round, node_id))
                 if len(state.finished) == active.world_size:

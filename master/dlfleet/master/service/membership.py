@@ -154,10 +154,12 @@ class Membership:
         and push each closed round to its survivors (joined into the next
         round by the master where it can)."""
         # The events of the survivors the master joined into the next round,
-        # and the pushes telling each survivor (session, closed round,
-        # reason, join id).
+        # and the pushes telling each survivor (session, the closed round,
+        # join id).
         rejoined: list[RendezvousEvent] = []
-        pushes: list[tuple[str, asyncio.Queue[rendezvous_pb2.SessionEvent | None], int, str, int]]
+        pushes: list[
+            tuple[str, asyncio.Queue[rendezvous_pb2.SessionEvent | None], RoundClosed, int]
+        ]
         pushes = []
         for event in events:
             if isinstance(event, RoundFormed):
@@ -178,7 +180,7 @@ class Membership:
                 for node_id in event.expected:
                     queue = self.sessions.get(node_id)
                     if queue is not None:
-                        pushes.append((node_id, queue, event.round, event.reason, 0))
+                        pushes.append((node_id, queue, event, 0))
         for event in events:
             if isinstance(event, RoundFormed):
                 for member in event.members:
@@ -195,18 +197,21 @@ class Membership:
                     # tens of ms of each other: one re-formation for all of
                     # them, not a round formed with some and closed again.
                     await asyncio.sleep(LOSS_COALESCE_S)
-                for index, (node_id, queue, closed, reason, _) in enumerate(pushes):
+                for index, (node_id, queue, closed, _) in enumerate(pushes):
                     if self.sessions.get(node_id) is queue:
                         join_id, joined = rejoiner.rejoin(node_id)
-                        pushes[index] = (node_id, queue, closed, reason, join_id)
+                        pushes[index] = (node_id, queue, closed, join_id)
                         rejoined += joined
             # With every survivor joined, the next round forms here, and each
             # push carries its answer: one message per survivor.
             await self.apply(rejoined)
         finally:
-            for node_id, queue, closed, reason, join_id in pushes:
+            for node_id, queue, closed, join_id in pushes:
                 push = rendezvous_pb2.ReRendezvous(
-                    closed_round=closed, reason=reason, join_id=join_id
+                    closed_round=closed.round,
+                    reason=closed.reason,
+                    join_id=join_id,
+                    gone_ranks=closed.gone_ranks,
                 )
                 if join_id and self.rejoiner is not None:
                     answer = self.rejoiner.answer(node_id, join_id)
@@ -327,11 +332,15 @@ class Membership:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def node_lost(self, node_id: str, reason: str) -> None:
-        """A node died, left, or was replaced by a newer incarnation."""
-        await self.executor.carry_out(self.loss(node_id, reason, self.state.nodes.forget(node_id)))
+    async def node_lost(self, node_id: str, reason: str, *, died: bool = False) -> None:
+        """A node died (`died`: its processes are gone with it), left, or was
+        replaced by a newer incarnation."""
+        forgotten = self.state.nodes.forget(node_id)
+        await self.executor.carry_out(self.loss(node_id, reason, forgotten, died=died))
 
-    def loss(self, node_id: str, reason: str, forgotten: Sequence[NodeEvent]) -> Decision:
+    def loss(
+        self, node_id: str, reason: str, forgotten: Sequence[NodeEvent], *, died: bool = False
+    ) -> Decision:
         """What losing `node_id` changes, decided and applied in every core:
         `forgotten` (the node table's events: empty when the table no longer
         held it), its leases released, the checkpoint images in its memory
@@ -345,7 +354,7 @@ class Membership:
         decided: list[JournalEvent] = [*forgotten]
         decided += self.state.book.release_node(node_id)
         decided += self.state.checkpoints.node_gone(node_id)
-        removed = self.state.rendezvous.remove(node_id, reason, self.clock())
+        removed = self.state.rendezvous.remove(node_id, reason, self.clock(), died=died)
         rendezvous = self.rendezvous_decided(removed, lost=True)
 
         async def said() -> None:

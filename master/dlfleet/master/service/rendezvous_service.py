@@ -349,7 +349,7 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         except StaleError:
             return  # it left cleanly, or a newer incarnation took over
         _log.warning("node %s lost its session: dropping it", node_id)
-        await asyncio.shield(self.membership.node_lost(node_id, "lost its session"))
+        await asyncio.shield(self.membership.node_lost(node_id, "lost its session", died=True))
 
     @rpc
     async def Leave(

@@ -463,7 +463,9 @@ class MasterServer:
             await membership.executor.commit(events)
         for forgotten in self.state.nodes.expire(now):
             _log.warning("node %s missed its heartbeats: dropping it", forgotten.node_id)
-            loss = membership.loss(forgotten.node_id, "missed its heartbeats", [forgotten])
+            loss = membership.loss(
+                forgotten.node_id, "missed its heartbeats", [forgotten], died=True
+            )
             await membership.executor.carry_out(loss)
         if now - self._goodput_written_ms >= GOODPUT_WRITE_MS:
             self._write_goodput(now)

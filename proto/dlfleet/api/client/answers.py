@@ -70,20 +70,24 @@ def lease_answer(response: shards_pb2.LeaseResponse, kind: str | None) -> LeaseA
 
 @dataclass(frozen=True, slots=True)
 class ReRendezvous:
-    """A push: round `closed_round` closed, for `reason`. With a `join_id`
-    the master joined this node into the next round itself, and `answer` is
-    that round when it formed at once (the session's next join takes it)."""
+    """A push: round `closed_round` closed, for `reason` (`gone_ranks` died
+    in it). With a `join_id` the master joined this node into the next round
+    itself, and `answer` is that round when it formed at once (the session's
+    next join takes it)."""
 
     closed_round: int
     reason: str
     join_id: int
     answer: rendezvous_pb2.JoinResponse | None
+    gone_ranks: tuple[int, ...] = ()  # the closed round's ranks that died with their node
 
 
 def pushed(push: rendezvous_pb2.ReRendezvous) -> ReRendezvous:
     """The session event's push, as a value."""
     answer = push.answer if push.HasField("answer") else None
-    return ReRendezvous(push.closed_round, push.reason, push.join_id, answer)
+    return ReRendezvous(
+        push.closed_round, push.reason, push.join_id, answer, tuple(push.gone_ranks)
+    )
 
 
 # -------------------------------------------------------------- node check

@@ -180,7 +180,7 @@ class ImageKeeper:
     ) -> None:
         self.root = root
         self.own_dir = root / "own"
-        self.replica_dir = root / "replicas"
+        self.replica_dir = root / files.REPLICAS
         self.own_dir.mkdir(parents=True, exist_ok=True)
         self.replica_dir.mkdir(parents=True, exist_ok=True)
         (root / _OWNER_FILE).write_text(str(os.getpid()))

@@ -100,6 +100,7 @@ from dlfleet.worker.agent.workers import (
     WorkerGroup,
     attempt_log_dir,
 )
+from dlfleet.worker.checkpoint import presence
 from dlfleet.worker.elastic.channel import Abort, Run, WorkState
 from dlfleet.worker.progress import read_counts
 
@@ -553,6 +554,10 @@ class Agent:
                 # leader that is gone.
                 self._stop_workers()
                 return Succeeded()
+            if push.gone_ranks and self.keeper is not None:
+                # Before the workers are stopped: persisting on their way out,
+                # they wait for no part of these ranks (see `presence`).
+                presence.mark_gone(self.keeper.own_dir, push.closed_round, push.gone_ranks)
             self._end_round(phase.assignment.round, push.reason)
             return Rejoining(push.reason, phase.restart_count)
         if self.session.closed_by_master.is_set():

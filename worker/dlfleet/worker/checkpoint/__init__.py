@@ -2,5 +2,6 @@
 node's shared memory, restore with resharding, persistence in the
 torch.distributed.checkpoint folder format.
 
-`files` and `errors` import no torch, so that the node agent can use them.
+`files`, `errors` and `presence` import no torch, so that the node agent can
+use them.
 """

@@ -701,31 +701,44 @@ class Checkpointer:
 
     def _all_parts_written(self, image: ImageFile, folder: Path) -> bool:
         """Wait for the other ranks' parts of `image`'s step, until they are all
-        there (True), a newer step is due to finish, or PERSIST_TIMEOUT_S: a
-        rank that died before writing its part never will, and the folder of
-        a newer step supersedes this one (an incomplete folder is pruned).
-        Closing is no reason to stop waiting: the last step's parts come as
-        the ranks close, each in its own time."""
+        there (True), a newer step is due to finish, a rank is known to be
+        gone without an image of the step here, or PERSIST_TIMEOUT_S: a rank
+        that died before writing its part never will (its part is written
+        from its image when this node holds one, see `_stand_in`), and the
+        folder of a newer step supersedes this one (an incomplete folder is
+        pruned). Closing is no reason to stop waiting: the last step's parts
+        come as the ranks close, each in its own time."""
         started = time.monotonic()
+        world, round_ = image.world_size, image.round
         while True:
-            missing = persist.missing_parts(folder, world_size=image.world_size, round=image.round)
+            gone = not persist.write_stand_ins(folder, world, round_, self._stand_in)
+            missing = persist.missing_parts(folder, world_size=world, round=round_)
             if not missing:
-                persist.finish(folder, world_size=image.world_size, round=image.round, timeout=0)
+                persist.finish(folder, world_size=world, round=round_, timeout=0)
                 return True
             with self._lock:
                 newer = self._finish_due if self._finish_due > image.step else None
             waited = time.monotonic() - started
-            if newer is not None or waited > PERSIST_TIMEOUT_S:
-                _log.warning("%s", self._not_persisted(image, folder, missing, waited, newer))
+            if gone or newer is not None or waited > PERSIST_TIMEOUT_S:
+                why = self._not_persisted(image, folder, missing, waited, newer, gone)
+                _log.warning("%s", why)
                 return False
             time.sleep(0.05)
 
     def _not_persisted(
-        self, image: ImageFile, folder: Path, missing: list[int], waited: float, newer: int | None
+        self,
+        image: ImageFile,
+        folder: Path,
+        missing: list[int],
+        waited: float,
+        newer: int | None,
+        gone: bool = False,
     ) -> str:
         """Why `image`'s step is not on disk, and what is."""
         why = (
-            f"step {newer} was due before the parts of ranks {missing} came"
+            f"a rank of {missing} is gone, and this node holds no image of its part"
+            if gone
+            else f"step {newer} was due before the parts of ranks {missing} came"
             if newer is not None
             else f"the parts of ranks {missing} did not come within {waited:.0f}s "
             "(did those ranks stop before their Checkpointer closed?)"
@@ -1048,9 +1061,8 @@ class Checkpointer:
 
     def _local_images(self, step: int) -> list[LocalImage]:
         folders = [self.image_dir]
-        replicas = self.image_dir.parent / "replicas"
-        if not self._private and replicas.is_dir():
-            folders += sorted(p for p in replicas.iterdir() if p.is_dir())
+        if not self._private:
+            folders += files.replica_folders(self.image_dir)
         found = []
         for folder in folders:
             for stored in files.list_images(folder):

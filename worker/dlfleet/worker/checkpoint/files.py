@@ -48,6 +48,10 @@ PREAMBLE_BYTES = 64
 ALIGNMENT = 64
 DIGEST_PIECE_BYTES = 64 << 20  # an item's checksums: one per piece of this size
 
+# Beside a node's own folder (`<root>/own`), the agent keeps each peer
+# node's replicas in `<root>/replicas/<node>`.
+REPLICAS = "replicas"
+
 _NAME = re.compile(r"^rank-(\d{5})\.slot-(\d+)\.(header|body)$")
 _NONCE = struct.Struct("<Q")
 
@@ -191,6 +195,14 @@ class HeaderCache:
         header = read_header(path)
         self._known[path] = (version, header)
         return header
+
+
+def replica_folders(own: Path) -> list[Path]:
+    """The folders of the peers' replicas beside the node's own folder `own`."""
+    replicas = own.parent / REPLICAS
+    if not replicas.is_dir():
+        return []
+    return sorted(p for p in replicas.iterdir() if p.is_dir())
 
 
 def list_images(

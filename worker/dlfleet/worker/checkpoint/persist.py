@@ -24,6 +24,7 @@ restore falls back to an older folder.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import json
@@ -136,8 +137,14 @@ def persist(
     return folder
 
 
-def write_part(source: ImageSource, root: Path, *, sync_files: bool = True) -> Path:
+def write_part(
+    source: ImageSource, root: Path, *, sync_files: bool = True, prefix: str | None = None
+) -> Path:
     """Write the primary items of one rank's image and its part file; return the folder.
+
+    `prefix` names its data files (DCP's `__<rank>_` by default): a stand-in
+    writing a part its rank might write too writes files of its own, so
+    neither tears the other's; the part file, replaced whole, names one set.
 
     Raises ImageChangedError (and records no part) if the image was overwritten meanwhile.
     """
@@ -150,6 +157,8 @@ def write_part(source: ImageSource, root: Path, *, sync_files: bool = True) -> P
     writer.set_up_storage_writer(header.rank == 0, rank=header.rank, use_collectives=False)
     records = [item for item in header.items if item.primary]
     plan = writer.prepare_local_plan(SavePlan([_write_item(item) for item in records]))
+    if prefix is not None:
+        plan = dataclasses.replace(plan, storage_data=type(plan.storage_data)(prefix))
     results = writer.write_data(plan, _ImagePlanner(source, records)).wait()
     # A save that reused the slot meanwhile tore what was written: no part, no folder.
     source.check_unchanged()
@@ -212,7 +221,7 @@ def finish_newest(
         kept = []
         for entry in waiting:
             folder, world_size, round = entry
-            if stand_in is not None and not _stand_in(folder, world_size, round, stand_in):
+            if stand_in is not None and not write_stand_ins(folder, world_size, round, stand_in):
                 continue  # it can never be whole
             if _finish_if_whole(folder, world_size, round):
                 newest = folder
@@ -227,34 +236,52 @@ def finish_newest(
 
 def node_stand_in(directory: Path, step: int, round: int, rank: int) -> ImageSource | Absent:
     """A `StandIn` over a node's image folder, which its ranks share: when
-    rank `rank` is gone from this node (killed before it could write its
-    part: that part never comes), its image of `step` there, or
-    `Absent.NEVER` if the folder holds none; else `Absent.COMING` (the rank
-    lives, or is on another node, whose folder this one cannot see).
+    rank `rank` is gone (its part never comes), its image of `step` to write
+    the part from, or `Absent.NEVER` if this node holds none; else
+    `Absent.COMING` (the rank lives, or nothing is known of it here).
 
-    The rank's presence is trusted only if the folder holds an image of it
-    from `round`: a presence left by an earlier round, when the rank was on
-    this node, says nothing of the rank now (after the ranks were numbered
-    anew it may live on another node)."""
-    if presence.rank_state(directory, rank) is not presence.RankState.GONE:
-        return Absent.COMING
-    this_round = [s for s in files.list_images(directory, rank) if s.header.round == round]
-    if not this_round:
-        return Absent.COMING
-    for stored in this_round:
-        if stored.header.step != step:
+    Gone means either of two things (see `presence`). A rank of this node:
+    no process holds its presence, and the folder holds an image of it from
+    `round` (a presence left by an earlier round, when the rank was on this
+    node, says nothing of the rank now: after the ranks were numbered anew
+    it may live on another node); its image is the one in the folder. A
+    rank of another node: the agent wrote it down as dead in `round`; its
+    image is the replica this node keeps of it."""
+    state = presence.rank_state(directory, rank)
+    if state is presence.RankState.GONE:
+        this_round = [s for s in files.list_images(directory, rank) if s.header.round == round]
+        if not this_round:
+            return Absent.COMING
+        return _image_of(this_round, step, rank, "image")
+    if state is presence.RankState.UNKNOWN and rank in presence.gone_ranks(directory, round):
+        replicas = [
+            stored
+            for folder in files.replica_folders(directory)
+            for stored in files.list_images(folder, rank)
+            if stored.header.round == round
+        ]
+        return _image_of(replicas, step, rank, "replica")
+    return Absent.COMING
+
+
+def _image_of(
+    stored: list[files.StoredImage], step: int, rank: int, what: str
+) -> ImageSource | Absent:
+    """Gone rank `rank`'s image of `step` among `stored`, or `Absent.NEVER`."""
+    for image in stored:
+        if image.header.step != step:
             continue
         try:
-            image = LocalImage(stored.header_path)
+            source = LocalImage(image.header_path)
         except (OSError, CheckpointError) as exc:
-            _log.warning("rank %d is gone, and its image is unreadable: %s", rank, exc)
+            _log.warning("rank %d is gone, and its %s is unreadable: %s", rank, what, exc)
             return Absent.NEVER
-        _log.warning("rank %d is gone; writing its part of step %d from its image", rank, step)
-        return image
+        _log.warning("rank %d is gone; writing its part of step %d from its %s", rank, step, what)
+        return source
     return Absent.NEVER
 
 
-def _stand_in(folder: Path, world_size: int, round: int, stand_in: StandIn) -> bool:
+def write_stand_ins(folder: Path, world_size: int, round: int, stand_in: StandIn) -> bool:
     """Write the missing parts of `folder` that `stand_in` gives images for;
     False if one of them will never be written."""
     if (folder / METADATA).is_file():
@@ -274,7 +301,7 @@ def _stand_in(folder: Path, world_size: int, round: int, stand_in: StandIn) -> b
                 f"{h.rank}'s of step {h.step}, round {h.round}"
             )
         try:
-            write_part(found, folder.parent)
+            write_part(found, folder.parent, prefix=f"__{rank}_stand_in_")
         except (OSError, CheckpointError) as exc:
             _log.warning(
                 "%s: rank %d's part could not be written from its image: %s", folder, rank, exc

@@ -14,16 +14,28 @@ rank is gone exactly when no process holds it. A rank with no such file in
 the folder was never on this node (or wrote its images elsewhere): nothing
 is known of it.
 
+A rank of another node leaves no lock here. When that node dies (killed,
+powered off: the master saw its session break or its beats stop), the master
+tells the round's survivors which ranks died with it, and their agent writes
+them down here (`round-<round>.gone`) before it stops its workers: rank 0
+then writes those ranks' parts from their replicas on this node, or gives
+up on steps that have none, instead of waiting for parts that never come.
+A node that only left (preempted: its workers persist their own parts) is
+not written down.
+
 Invariants: the probe never blocks and leaves no lock behind; a lock file is
 never removed (removing it could part a holder from a file that a probe then
-finds unlocked), it goes with the folder.
+finds unlocked), it goes with the folder. A gone file is written whole (by
+rename) before the workers are stopped, and names ranks of its round only.
 """
 
 from __future__ import annotations
 
 import enum
 import fcntl
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -67,3 +79,24 @@ def rank_state(directory: Path, rank: int) -> RankState:
     finally:
         os.close(fd)  # releases the probe's lock, if it got it
     return RankState.GONE
+
+
+def gone_path(directory: Path, round_: int) -> Path:
+    return directory / f"round-{round_:06d}.gone"
+
+
+def mark_gone(directory: Path, round_: int, ranks: Iterable[int]) -> None:
+    """The agent's word, before it stops its workers: `ranks` of round
+    `round_` died with their node (see the module's docstring)."""
+    path = gone_path(directory, round_)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(sorted(set(ranks))))
+    tmp.replace(path)
+
+
+def gone_ranks(directory: Path, round_: int) -> frozenset[int]:
+    """The ranks of round `round_` the agent wrote down as dead."""
+    try:
+        return frozenset(int(rank) for rank in json.loads(gone_path(directory, round_).read_text()))
+    except FileNotFoundError:
+        return frozenset()
