@@ -328,3 +328,47 @@ def test_a_closing_rank_writes_a_dead_nodes_part_from_its_replica(tmp_path: Path
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+# Another handler of SIGTERM, installed after the Checkpointer's, raises
+# (Lightning's broadcasts the signal to the peers, and fails when one is
+# dead): the main thread leaves while TermWatch's thread persists. A large
+# state makes the persist outlast the interpreter's exit.
+RAISING = textwrap.dedent(
+    """
+    import signal, sys, time, torch
+    from dlfleet import Checkpointer
+    ckpt = Checkpointer(persist_every=1000, persist_dir=sys.argv[1])
+    state = {"w": torch.rand(64 << 20 >> 2), "step": 1}
+    ckpt.save(1, state)
+    while ckpt.image_times(1) is None:
+        time.sleep(0.01)
+
+    def peer_gone(signum, frame):
+        raise RuntimeError("Connection closed by peer")
+
+    signal.signal(signal.SIGTERM, peer_gone)
+    print("saved", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_process_leaving_on_another_handlers_error_still_persists(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RAISING, str(tmp_path / "disk")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DLFLEET_WORKDIR": str(tmp_path)},
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while proc.stdout.readline().strip() != "saved":
+        assert time.monotonic() < deadline and proc.poll() is None, "the script did not save"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "Connection closed by peer" in err, err[-2000:]
+    newest = persist.newest_persisted(tmp_path / "disk")
+    assert newest is not None and newest[0] == 1, err[-2000:]
+    persist.verify_folder(newest[1])

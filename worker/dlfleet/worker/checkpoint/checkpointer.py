@@ -62,6 +62,7 @@ persisted.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import math
@@ -775,6 +776,20 @@ class Checkpointer:
         if threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._term_watch = TermWatch(self._persist_then_wake_main)
+            atexit.register(self._persist_before_exit)
+
+    def _persist_before_exit(self) -> None:
+        """At the interpreter's exit, a persist SIGTERM started (on
+        TermWatch's thread, a daemon: ended with the interpreter) is
+        finished first, or run here if the thread has not read the signal
+        yet. The main thread may leave without ever running this module's
+        handler: another handler of the signal raised (Lightning's
+        broadcasts to the peers, and fails when one is dead), or the
+        training failed on the dead peer just before the signal came."""
+        watch = self._term_watch
+        if watch is not None and (watch.signalled.is_set() or watch.pending()):
+            self._term_handled.set()  # the main thread needs no waking: it is leaving
+            self._persist_on_term()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Preempted (the agent stops its workers with SIGTERM, then SIGKILL
@@ -1110,6 +1125,7 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.close()
         if self._term_watch is not None:
+            atexit.unregister(self._persist_before_exit)
             self._term_watch.close()
             self._term_watch = None
         if self._previous_sigterm is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 from collections.abc import Callable
@@ -33,9 +34,14 @@ class TermWatch:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # the C handler must never block
         self._action = action
+        self.signalled = threading.Event()  # SIGTERM came: the action runs, or ran
         self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._loop, name="dlfleet-ckpt-term", daemon=True)
         self._thread.start()
+
+    def pending(self) -> bool:
+        """Whether a signal came that the thread has not read yet."""
+        return bool(select.select([self._read], [], [], 0)[0])
 
     def close(self) -> None:
         """Give the wakeup fd back (main thread only) and end the thread."""
@@ -60,6 +66,7 @@ class TermWatch:
                     os.write(self._previous, data)
             if not acted and int(signal.SIGTERM) in data:
                 acted = True
+                self.signalled.set()
                 try:
                     self._action()
                 except Exception:  # noqa: BLE001 - the main thread's handler still runs
