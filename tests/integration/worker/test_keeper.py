@@ -462,3 +462,43 @@ def test_a_keeper_without_in_place_restarts_refuses_to_attach_a_worker(tmp_path:
         server.stop()
     assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
     assert "torchrun" in str(caught.value.details())
+
+
+def test_copies_to_a_peer_that_is_down_are_tried_again_with_growing_waits(
+    nodes: tuple[Running, Node, Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer's machine is gone (its keeper answers nothing) before the
+    master says so: the node keeps saving, and its copies fail. They are
+    tried again after 0.05 s, 0.1 s, 0.2 s... not at every save or wake
+    (seen: a try every 2 ms, a warning each, for as long as the round
+    lasted)."""
+    import threading
+
+    _, a, b = nodes
+    b.server.stop()
+    caplog.set_level("WARNING", logger="dlfleet.worker.agent.keeper")
+    stop = threading.Event()
+
+    answers: list[threading.Thread] = []
+
+    def saving() -> None:
+        # A save's answer waits (up to 2 s) for a commit that cannot come:
+        # each announced from a thread of its own, as the worker's notices
+        # run off its training.
+        step = 1
+        while not stop.is_set():
+            answers.append(threading.Thread(target=save, args=(a, 0, step), daemon=True))
+            answers[-1].start()
+            step += 1
+            time.sleep(0.02)
+
+    saver = threading.Thread(target=saving)
+    saver.start()
+    time.sleep(1.0)
+    stop.set()
+    saver.join()
+    tries = [r for r in caplog.records if "replica of rank 0" in r.getMessage()]
+    for answer in answers:
+        answer.join(5)
+    # 0.05 + 0.1 + 0.2 + 0.4 s of waits fit in a second: at most 5 tries.
+    assert 1 <= len(tries) <= 6, len(tries)

@@ -15,7 +15,9 @@ worker tells the agent (`Keeper.Saved`); the agent then
   the step the master chose for all (`replica_step`), then the step this
   node last received from its own predecessor in the ring (following it,
   which carries one step around the ring), else its newest, at most every
-  LEAD_INTERVAL_S; steps it has no time for are skipped. So the replicated
+  LEAD_INTERVAL_S; steps it has no time for are skipped (a copy that fails,
+  the peer down, is tried again after RETRY_FIRST_S, doubling to
+  RETRY_MOST_S, until one succeeds or the peer changes). So the replicated
   step trails the saves by about that interval and a copy, whether the
   master answers or not. A replica may lag, it is never half-written. The
   peer keeps it in `<root>/replicas/<node>` (in slots kept as the writers
@@ -110,6 +112,9 @@ LEAD_INTERVAL_S = 0.1
 SENT_KEPT = 16  # (round, step)s remembered as sent, per peer and rank
 ANSWER_WAIT_S = 2.0  # how long `Saved` waits for news before answering what it has
 ASK_AFTER_S = 0.25  # a save answered nothing new this long asks the master again
+# After a copy to the peer failed (it is down, or gone before the master said
+# so), the next try waits this long, doubling to the most: not a retry per wake.
+RETRY_FIRST_S, RETRY_MOST_S = 0.05, 1.0
 SLOW_ANSWER_S = 0.5  # a save's answer slower than this is logged, with why
 RECONCILE_WAIT_S = 2.0  # how long a new round waits for the master to hear this node's images
 # A master that has not answered a report for this long is taken as away (it
@@ -215,6 +220,8 @@ class ImageKeeper:
         self._channel: tuple[str, grpc.Channel] | None = None  # to the peer, reused
         self._reports: queue.Queue[_Held | _Wake | None] = queue.Queue()
         self._replicate = threading.Event()
+        self._peer_set = threading.Event()  # wakes a wait to retry a failed copy
+        self._retry: tuple[str, float] = ("", 0.0)  # peer, the last wait after a failed copy
         # (peer, rank) -> (round, step) of the newest image sent there, and
         # the last SENT_KEPT sent. By round too: after a restore the round's
         # steps repeat those of the round that failed, whose images the peer
@@ -275,6 +282,7 @@ class ImageKeeper:
         self._reports.put(_Wake())
         if changed and address:
             self._replicate.set()
+            self._peer_set.set()
         self.wait_reconciled(RECONCILE_WAIT_S)
 
     def wait_reconciled(self, timeout_s: float) -> bool:
@@ -642,10 +650,13 @@ class ImageKeeper:
                 peer = self._peer
             if peer is None:
                 continue
+            failing: bool | None = None  # None: nothing was sent
             for held in self._to_replicate(peer):
                 ack = self._send_replica(peer, held)
                 if ack is None:
+                    failing = True
                     continue
+                failing = bool(failing)
                 sent = (held.header.round, held.header.step)
                 with self._commits:
                     key = (peer, held.header.rank)
@@ -654,6 +665,25 @@ class ImageKeeper:
                     self._commits.notify_all()
                 if ack.replicated_step >= 0:
                     self._heard(ack.replicated_step, ack.replica_step)
+            retry = self._retry_after(peer, failing)
+            if retry:
+                self._peer_set.wait(retry)  # a new peer is tried at once
+                self._peer_set.clear()
+                self._replicate.set()
+
+    def _retry_after(self, peer: str, failing: bool | None) -> float:
+        """How long to wait before copying to `peer` again: 0 once a copy
+        succeeds (`failing` False) or when nothing was sent (None); after
+        failures, RETRY_FIRST_S doubling to RETRY_MOST_S."""
+        if failing is None:
+            return 0.0
+        if not failing:
+            self._retry = (peer, 0.0)
+            return 0.0
+        last = self._retry[1] if self._retry[0] == peer else 0.0
+        wait = min(max(2 * last, RETRY_FIRST_S), RETRY_MOST_S)
+        self._retry = (peer, wait)
+        return wait
 
     def _lead_due_in(self) -> float | None:
         """Seconds until this node may copy its newest images of its own
@@ -847,6 +877,7 @@ class ImageKeeper:
         self._closed.set()
         self._reports.put(None)
         self._replicate.set()
+        self._peer_set.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
         with self._lock:
