@@ -1,19 +1,20 @@
 """A PyTorch Lightning script as people write it, on dlfleet.
 
 The lines that change for dlfleet are marked `# dlfleet`: the imports, the
-Trainer's `plugins` and `callbacks`, and the train loader (a
-`ShardedDataLoader` where a DataLoader was). Run it as a job:
+Trainer (dlfleet's `DLFleetTrainer` where `pl.Trainer` was), and the train
+loader (a `ShardedDataLoader` where a DataLoader was). Run it as a job:
 
     dlmaster --job-config examples/lightning/job.yaml
 
 or on each node with `dlworker --master HOST:PORT --nnodes 1:2 train.py`.
 The loader leases from the master, so that every record is trained once
-through a lost node or a killed worker; `DLFleetEnvironment` lets the world
+through a lost node or a killed worker; `DLFleetTrainer` lets the world
 shrink when a node is lost (Lightning's own environment refuses a world that
-is not devices x num_nodes); `DLFleetCheckpoint` checkpoints every step in
-memory (replicated to a peer node) and restores it through Lightning's own
-restore when a worker group restarts. Under plain `torchrun` the same script
-runs with rank-based sharding (a warning says so).
+is not devices x num_nodes), checkpoints steps in memory (replicated to a
+peer node), and under dlworker restarts `fit` in place when a rank fails or
+the world changes, restored through Lightning's own restore. Under plain
+`torchrun` the same script runs with rank-based sharding (a warning says
+so).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader  # dlfleet
-from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment  # dlfleet
+from dlfleet.integrations.lightning import DLFleetTrainer  # dlfleet
 
 FEATURES, CLASSES = 16, 4
 
@@ -77,7 +78,7 @@ def main() -> None:
     pl.seed_everything(0)
     dataset = SyntheticClassification(args.size)
     model = Classifier(args.lr)
-    trainer = pl.Trainer(
+    trainer = DLFleetTrainer(  # dlfleet: was pl.Trainer
         accelerator="cpu",
         devices=1,
         num_nodes=args.nodes,
@@ -86,8 +87,6 @@ def main() -> None:
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        plugins=[DLFleetEnvironment()],  # dlfleet
-        callbacks=[DLFleetCheckpoint()],  # dlfleet
     )
     # dlfleet: was DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     loader = ShardedDataLoader(dataset, args.batch_size, epochs=args.epochs, pad_empty=True)

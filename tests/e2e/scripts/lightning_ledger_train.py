@@ -1,11 +1,15 @@
-"""A PyTorch Lightning job as people write it, with dlfleet's three changed
-lines (the environment, the checkpoint callback, the loader), that logs which
-records each rank trained at every step in the ledger format of
-ledger_train.py (checked by tests/e2e/ledger.py).
+"""A PyTorch Lightning job as people write it, with dlfleet's changed lines
+(its Trainer, the loader), that logs which records each rank trained at
+every step in the ledger format of ledger_train.py (checked by
+tests/e2e/ledger.py).
 
     lightning_ledger_train.py --ledger-dir DIR [--size 203] [--batch-size 4]
         [--epochs 2] [--nodes 2] [--crash-at-step K --crash-rank R]
-        [--sleep-per-step S] [--stock [--save-every N --checkpoint-dir D]]
+        [--sleep-per-step S] [--adapters] [--stock [--save-every N --checkpoint-dir D]]
+
+`DLFleetTrainer` restarts in place under dlworker; `--adapters` takes
+Lightning's own Trainer with the environment and checkpoint callback added
+instead (the group is then restarted cold).
 
 `--stock` runs the script as it is written without dlfleet: a DataLoader
 (Lightning adds the DistributedSampler), Lightning's own environment, a
@@ -35,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dlfleet import ShardedDataLoader
-from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment, DLFleetTrainer
 
 # tests/ on the path: the ledger lines are shared with the other framework script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -70,6 +74,7 @@ class Regression(pl.LightningModule):
         )
 
     def on_train_start(self) -> None:
+        self.ledger.refresh()  # a new round, when restarted in place
         if self.cli.stock:
             self.ledger.stamp_attempt()
         if self.global_rank == 0:
@@ -83,8 +88,9 @@ class Regression(pl.LightningModule):
         step = self.trainer.global_step + 1
         rank, world = self.global_rank, self.trainer.world_size
         self.ledger.crash_due(step, rank)
-        if not (self.loader is not None and self.loader.padding):
-            epoch = self.loader.epoch if self.loader is not None else self.current_epoch
+        loader = self.loader
+        if not (loader is not None and loader.padding):
+            epoch = loader.epoch if loader is not None else self.current_epoch
             self.ledger.step(step, rank, world, epoch, ids)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
@@ -107,6 +113,7 @@ def main() -> None:
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--stock", action="store_true", help="Lightning alone, no dlfleet")
+    parser.add_argument("--adapters", action="store_true", help="pl.Trainer + the adapters")
     parser.add_argument(
         "--dlfleet-save-every",
         type=lambda v: v if v == "auto" else int(v),
@@ -141,13 +148,19 @@ def main() -> None:
         last = folder / "last.ckpt"
         loader = DataLoader(Records(cli.size), batch_size=cli.batch_size, shuffle=True)
         trainer.fit(model, train_dataloaders=loader, ckpt_path=last if last.exists() else None)
-    else:
+    elif cli.adapters:
         trainer = pl.Trainer(
             **settings,
             enable_checkpointing=False,
             plugins=[DLFleetEnvironment()],
             callbacks=[model.fleet],
         )
+        model.loader = ShardedDataLoader(
+            Records(cli.size), cli.batch_size, epochs=cli.epochs, pad_empty=True
+        )
+        trainer.fit(model, train_dataloaders=model.loader)
+    else:
+        trainer = DLFleetTrainer(**settings, enable_checkpointing=False, callbacks=[model.fleet])
         model.loader = ShardedDataLoader(
             Records(cli.size), cli.batch_size, epochs=cli.epochs, pad_empty=True
         )

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dlfleet import ShardedDataLoader
-from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment, DLFleetTrainer
 from dlfleet.worker.loader import LoaderEnvironment
 
 pytestmark = [
@@ -75,10 +75,12 @@ class Model(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def fit(tmp_path: Path, crash_at: int = -1, **loader: Any) -> tuple[Model, DLFleetCheckpoint]:
+def fit(
+    tmp_path: Path, crash_at: int = -1, trainer_class: type[pl.Trainer] = pl.Trainer, **loader: Any
+) -> tuple[Model, DLFleetCheckpoint]:
     model = Model(crash_at)
     fleet = DLFleetCheckpoint(persist_every=5, persist_dir=tmp_path / "ckpt")
-    trainer = pl.Trainer(
+    trainer = trainer_class(
         accelerator="cpu",
         devices=1,
         max_epochs=EPOCHS,
@@ -112,12 +114,17 @@ def no_job(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.parametrize("trainer_class", [pl.Trainer, DLFleetTrainer], ids=["pl", "dlfleet"])
 @pytest.mark.parametrize("crash_at", [12, 10], ids=["mid-epoch", "epoch-end"])
 def test_a_failed_fit_is_resumed_from_its_newest_step_by_lightnings_own_restore(
-    tmp_path: Path, crash_at: int
+    tmp_path: Path, crash_at: int, trainer_class: type[pl.Trainer]
 ) -> None:
-    first, _ = fit(tmp_path, crash_at=crash_at)
-    second, fleet = fit(tmp_path)
+    """Outside dlworker `DLFleetTrainer.fit` is Lightning's own, with the
+    callback given (not a second one added)."""
+    first, _ = fit(tmp_path, crash_at=crash_at, trainer_class=trainer_class)
+    second, fleet = fit(tmp_path, trainer_class=trainer_class)
+    added = [c for c in second.trainer.callbacks if isinstance(c, DLFleetCheckpoint)]  # type: ignore[attr-defined]
+    assert added == [fleet]
     assert fleet.restored is not None and fleet.restored.step == crash_at
     assert fleet.restored.source == "disk"
     kept = [entry for entry in first.trained if entry[0] <= crash_at]
@@ -153,3 +160,17 @@ def test_the_environment_takes_the_rounds_nodes_and_checks_the_devices(
     assert environment.num_nodes() == 2
     with pytest.raises(ValueError, match="devices=2"):
         environment.validate_settings(num_devices=2, num_nodes=1)
+
+
+def test_the_dlfleet_trainer_adds_the_environment_and_the_checkpoint_callback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    trainer = DLFleetTrainer(
+        accelerator="cpu", devices=1, strategy="ddp", save_every=3, logger=False
+    )
+    added = [c for c in trainer.callbacks if isinstance(c, DLFleetCheckpoint)]  # type: ignore[attr-defined]
+    assert len(added) == 1 and added[0].save_every == 3
+    assert isinstance(trainer.strategy.cluster_environment, DLFleetEnvironment)  # type: ignore[attr-defined]

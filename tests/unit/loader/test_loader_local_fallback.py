@@ -148,3 +148,22 @@ def test_a_state_after_an_epochs_last_batch_resumes_with_the_next_epoch() -> Non
     again.load_state_dict(state)
     assert sorted(flat(list(again))) == list(range(12))  # epoch 1 at once, whole
     assert list(again) == []
+
+
+@pytest.mark.filterwarnings("ignore:ShardedDataLoader")
+def test_a_renewed_loader_serves_the_world_it_is_in_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made in a world of one, renewed once the process is rank 1 of 2 (a
+    restart in place sets the new round's variables): the same object now
+    serves rank 1's slice of each batch, with the arguments it was made with."""
+    for name in ("DLFLEET_MASTER", "DLFLEET_ROUND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loader = ShardedDataLoader(Records(10), 2, shuffle=False, epochs=2)
+    assert flat(list(loader)) == list(range(10))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader.renew()
+    assert (loader.global_batch, loader.epochs) == (4, 2)
+    twin = ShardedDataLoader(Records(10), 2, environment=local(1, 2), shuffle=False, epochs=2)
+    assert flat(list(loader)) == flat(list(twin)) != []

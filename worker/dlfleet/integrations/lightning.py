@@ -1,14 +1,21 @@
 """PyTorch Lightning on dlfleet: a world that follows the round, exactly-once
-data and checkpoints in memory, with three changed lines.
+data, checkpoints in memory and restarts in place, with two changed lines
+(and the imports).
 
     from dlfleet import ShardedDataLoader
-    from dlfleet.integrations.lightning import DLFleetCheckpoint, DLFleetEnvironment
+    from dlfleet.integrations.lightning import DLFleetTrainer
 
-    trainer = L.Trainer(max_epochs=2, ..., plugins=[DLFleetEnvironment()],
-                        callbacks=[DLFleetCheckpoint()])
+    trainer = DLFleetTrainer(max_epochs=2, ...)                # was: L.Trainer(...)
     loader = ShardedDataLoader(dataset, batch_size=32, epochs=2, pad_empty=True)
     trainer.fit(model, train_dataloaders=loader)             # was: a DataLoader
 
+- `DLFleetTrainer` is `pl.Trainer` with the two adapters below added, whose
+  `fit` restarts in place under dlworker (`dlfleet.elastic.run`): when a
+  rank fails or the world changes, the surviving processes leave the round
+  (Lightning tears its fit down as after any exception) and fit again in
+  the next one, restored from memory, with the `ShardedDataLoader` renewed
+  for the round; a spare process (the script run up to `fit`, waiting)
+  takes a dead rank. Without dlworker its `fit` is Lightning's own.
 - `DLFleetEnvironment` is torchelastic's environment (dlworker and torchrun
   set the same variables) whose number of nodes is the round's: a round that
   lost a node trains in the smaller world, where Lightning's own environment
@@ -29,8 +36,10 @@ data and checkpoints in memory, with three changed lines.
   padding batch (`pad_empty=True`: a record another rank trains in that
   step); the callback gives its loss a zero gradient.
 
-Under dlworker a failed worker group is restarted by the agent and the new
-processes restore from memory. Do not also pass `ckpt_path` to `fit`: a
+The two adapters also work on a `pl.Trainer` of the script's own
+(`plugins=[DLFleetEnvironment()], callbacks=[DLFleetCheckpoint()]`): under
+dlworker a failed worker group is then restarted cold by the agent, and the
+new processes restore from memory. Do not also pass `ckpt_path` to `fit`: a
 checkpoint file named there replaces the newer one dlfleet restored.
 """
 
@@ -42,9 +51,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning_fabric.plugins.environments.torchelastic import TorchElasticEnvironment
 from pytorch_lightning.callbacks import Callback
 
+from dlfleet.api.env import AGENT_ENV
+from dlfleet.worker import elastic
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer, Restored
 from dlfleet.worker.loader import ShardedDataLoader
 from dlfleet.worker.loader.padding import zero_weight
@@ -178,6 +190,84 @@ class DLFleetCheckpoint(Callback):
             force=force,
         )
         self._last_saved = trainer.global_step
+
+
+class DLFleetTrainer(pl.Trainer):
+    """`pl.Trainer` with dlfleet's adapters added (`DLFleetEnvironment`, and
+    `DLFleetCheckpoint` with `save_every`, `persist_every`, `persist_dir`,
+    unless the lists given hold their own), whose `fit` restarts in place
+    under dlworker, as a script in `dlfleet.elastic.run` does: when a rank
+    fails or the world changes, the surviving processes leave the round and
+    fit again in the next one, restored from memory, with the interpreter,
+    imports and model kept; a spare process (the script run up to `fit`,
+    waiting) takes a dead rank. Elsewhere (torchrun, no launcher) `fit` is
+    Lightning's own."""
+
+    def __init__(
+        self,
+        *args: Any,
+        save_every: int | str = "auto",
+        persist_every: int = 0,
+        persist_dir: str | Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        plugins = _listed(kwargs.pop("plugins", None))
+        if not any(isinstance(plugin, ClusterEnvironment) for plugin in plugins):
+            plugins.append(DLFleetEnvironment())
+        callbacks = _listed(kwargs.pop("callbacks", None))
+        if not any(isinstance(callback, DLFleetCheckpoint) for callback in callbacks):
+            checkpoint = DLFleetCheckpoint(
+                save_every=save_every, persist_every=persist_every, persist_dir=persist_dir
+            )
+            callbacks.append(checkpoint)
+        super().__init__(*args, plugins=plugins, callbacks=callbacks, **kwargs)
+
+    def fit(
+        self,
+        model: pl.LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: pl.LightningDataModule | None = None,
+        ckpt_path: str | Path | None = None,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Lightning's `fit`; under dlworker once per round (see the class)."""
+        if not os.environ.get(AGENT_ENV):
+            super().fit(
+                model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only
+            )
+            return
+
+        def attempt(current: elastic.Attempt) -> None:
+            self._join_round()
+            # A loader belongs to one round (its ranks are read when it is
+            # made): renewed for this one, at the position the restore gives.
+            if isinstance(train_dataloaders, ShardedDataLoader):
+                train_dataloaders.renew()
+            super(DLFleetTrainer, self).fit(
+                model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only
+            )
+
+        elastic.run(attempt)
+
+    def _join_round(self) -> None:
+        """Lightning's ranks and node count for this round's world: the
+        environment `elastic.run` set (a spare made its Trainer in a world of
+        its own, a survivor in the round before); the process group is the
+        round's, set up by `elastic.run`, which Lightning takes as it is."""
+        strategy = self.strategy
+        environment = getattr(strategy, "cluster_environment", None)
+        if isinstance(environment, DLFleetEnvironment) and hasattr(strategy, "num_nodes"):
+            strategy.num_nodes = environment.num_nodes()
+        set_world_ranks = getattr(strategy, "set_world_ranks", None)
+        if callable(set_world_ranks):
+            set_world_ranks()
+
+
+def _listed(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _follow_the_round(trainer: pl.Trainer) -> None:

@@ -118,6 +118,25 @@ class ShardedDataLoader:
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be at least 1, got {batch_size}")
         _require_map_style(dataset)
+        # What `renew` makes it from again.
+        self._made_with: dict[str, Any] = {
+            "dataset": dataset,
+            "batch_size": batch_size,
+            "shuffle": shuffle,
+            "seed": seed,
+            "epochs": epochs,
+            "shard_size": shard_size,
+            "drop_last": drop_last,
+            "name": name,
+            "mode": mode,
+            "environment": environment,
+            "num_workers": num_workers,
+            "collate_fn": collate_fn,
+            "pin_memory": pin_memory,
+            "persistent_workers": persistent_workers,
+            "pad_empty": pad_empty,
+            **dataloader_kwargs,
+        }
         self.dataset = dataset
         self.size = len(dataset)  # type: ignore[arg-type]
         self.batch_size = batch_size
@@ -283,6 +302,17 @@ class ShardedDataLoader:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    def renew(self) -> None:
+        """Make this loader the current round's, as if made again now with
+        the same arguments (its previous round's lease thread and workers
+        closed). A loader reads its ranks and round when it is made, so one
+        made before a restart in place (a script's, handed to a trainer that
+        restarts in place: `dlfleet.integrations.lightning.DLFleetTrainer`)
+        would lease for a world that is gone; renewed, the same object serves
+        the next round, from the position its `load_state_dict` is then given."""
+        self.close()
+        ShardedDataLoader.__init__(self, **self._made_with)
 
     def __enter__(self) -> ShardedDataLoader:
         return self
