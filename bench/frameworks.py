@@ -9,8 +9,8 @@ through a killed worker and a lost node.
 
 The jobs: tests/e2e/scripts/hf_ledger_train.py (a tiny GPT-2 built from a
 config, `DLFleetTrainer`, or HF's `Trainer` with `--stock`) and
-tests/e2e/scripts/lightning_ledger_train.py (a small MLP, the dlfleet
-environment, checkpoint callback and loader, or with `--stock` a DataLoader,
+tests/e2e/scripts/lightning_ledger_train.py (a small MLP, Lightning's
+`DLFleetTrainer` and the loader, or with `--stock` a DataLoader,
 Lightning's own environment and a `ModelCheckpoint`), under the Python that
 runs this bench. Every rank logs the records it trains at every step, with a
 wall-clock stamp (the ledger of tests/e2e/ledger.py). 2 nodes x 1 process on
