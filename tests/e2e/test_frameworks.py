@@ -141,9 +141,11 @@ def rank0_steps(ledger: Path) -> int:
 def wait_steps(ledger: Path, count: int, timeout: float, *outputs: Output) -> None:
     deadline = time.monotonic() + timeout
     while steps_logged(ledger) < count:
-        if time.monotonic() > deadline:
+        ended = [o.name for o in outputs if o.proc.poll() is not None]
+        if time.monotonic() > deadline or ended:
             tails = "\n\n".join(f"{o.name}:\n{o.tail()}" for o in outputs)
-            raise AssertionError(f"fewer than {count} steps logged in {timeout}s\n{tails}")
+            why = f"{', '.join(ended)} ended" if ended else f"not in {timeout}s"
+            raise AssertionError(f"fewer than {count} steps logged: {why}\n{tails}")
         time.sleep(0.05)
 
 
