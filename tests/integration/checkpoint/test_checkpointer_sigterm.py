@@ -3,11 +3,13 @@ before it exits, so a job stopped everywhere loses nothing it had saved."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -221,15 +223,15 @@ def test_a_rank_whose_peer_was_killed_persists_at_once_from_the_peers_image(
             proc.wait()
 
 
-def test_a_rank_whose_node_died_is_written_from_its_replica_at_once(tmp_path: Path) -> None:
-    """Rank 1 lived on another node, which died; this node keeps its
-    replicas (`<root>/replicas/<node>`), and the agent has written rank 1
-    down as gone in this round (the master's word, see `presence`) before
-    stopping rank 0. Rank 0 finishes step 3 with rank 1's part from the
-    replica, instead of waiting 5 s for a part that never comes."""
-    disk, root = tmp_path / "disk", tmp_path / "node-a"
+@contextlib.contextmanager
+def dead_node(tmp_path: Path, script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """Rank 0 of this node, saving steps 1..3; rank 1 lived on another node,
+    and wrote into what is, on this node, that node's replica folder
+    (`<root>/replicas/node-b`). Once both saved, rank 1 is killed and the
+    agent's word is written: rank 1 of round 3 died with its node (the
+    master's, see `presence`). Yields rank 0, still running."""
+    root = tmp_path / "node-a"
     procs = []
-    # Rank 1 writes into what is, on this node, the dead node's replica folder.
     for rank, folder in ((0, root / "own"), (1, root / files.REPLICAS / "node-b")):
         env = {
             "PATH": "/usr/bin:/bin",
@@ -241,7 +243,7 @@ def test_a_rank_whose_node_died_is_written_from_its_replica_at_once(tmp_path: Pa
             "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1",
         }
-        argv = [sys.executable, "-c", NODE, str(disk), "3"]
+        argv = [sys.executable, "-c", script, *args]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
     try:
         deadline = time.monotonic() + 60
@@ -252,19 +254,31 @@ def test_a_rank_whose_node_died_is_written_from_its_replica_at_once(tmp_path: Pa
         procs[1].kill()
         assert procs[1].wait(10) == -signal.SIGKILL
         presence.mark_gone(root / "own", 3, [1])
-        terminated = time.monotonic()
-        procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(30) == 128 + signal.SIGTERM
-        took = time.monotonic() - terminated
-        assert took < 2.5, f"rank 0 took {took:.1f}s to persist and exit"
-        newest = persist.newest_persisted(disk)
-        assert newest is not None and newest[0] == 3, newest
-        persist.verify_folder(newest[1])
-        assert persist.load_persisted_full(newest[1])["step"] == 3
+        yield procs[0]
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def assert_step_3_persisted(disk: Path) -> None:
+    newest = persist.newest_persisted(disk)
+    assert newest is not None and newest[0] == 3, newest
+    persist.verify_folder(newest[1])
+    assert persist.load_persisted_full(newest[1])["step"] == 3
+
+
+def test_a_rank_whose_node_died_is_written_from_its_replica_at_once(tmp_path: Path) -> None:
+    """Rank 0 is terminated: it finishes step 3 with rank 1's part from the
+    replica, instead of waiting 5 s for a part that never comes."""
+    disk = tmp_path / "disk"
+    with dead_node(tmp_path, NODE, str(disk), "3") as rank0:
+        terminated = time.monotonic()
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(30) == 128 + signal.SIGTERM
+        took = time.monotonic() - terminated
+    assert took < 2.5, f"rank 0 took {took:.1f}s to persist and exit"
+    assert_step_3_persisted(disk)
 
 
 # Closed rather than terminated (the training failed on the dead peer, and the
@@ -291,43 +305,14 @@ CLOSING = textwrap.dedent(
 def test_a_closing_rank_writes_a_dead_nodes_part_from_its_replica(tmp_path: Path) -> None:
     """As above, but rank 0 closes its Checkpointer: the last step's folder
     is finished with rank 1's part from the replica, not waited for (60 s)."""
-    disk, root, go = tmp_path / "disk", tmp_path / "node-a", tmp_path / "go"
-    procs = []
-    for rank, folder in ((0, root / "own"), (1, root / files.REPLICAS / "node-b")):
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "DLFLEET_WORKDIR": str(tmp_path / f"rank{rank}"),
-            CHECKPOINT_DIR_ENV: str(folder),
-            ROUND_ENV: "3",
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-        }
-        argv = [sys.executable, "-c", CLOSING, str(disk), str(go)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
-    try:
-        deadline = time.monotonic() + 60
-        for proc in procs:
-            assert proc.stdout is not None
-            while proc.stdout.readline().strip() != "saved":
-                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
-        procs[1].kill()
-        assert procs[1].wait(10) == -signal.SIGKILL
-        presence.mark_gone(root / "own", 3, [1])
+    disk, go = tmp_path / "disk", tmp_path / "go"
+    with dead_node(tmp_path, CLOSING, str(disk), str(go)) as rank0:
         closed = time.monotonic()
         go.touch()
-        assert procs[0].wait(30) == 0
+        assert rank0.wait(30) == 0
         took = time.monotonic() - closed
-        assert took < 2.5, f"rank 0 took {took:.1f}s to close"
-        newest = persist.newest_persisted(disk)
-        assert newest is not None and newest[0] == 3, newest
-        persist.verify_folder(newest[1])
-        assert persist.load_persisted_full(newest[1])["step"] == 3
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    assert took < 2.5, f"rank 0 took {took:.1f}s to close"
+    assert_step_3_persisted(disk)
 
 
 # Another handler of SIGTERM, installed after the Checkpointer's, raises
