@@ -105,6 +105,9 @@ class DLFleetCheckpoint(Callback):
         self.checkpointer: Checkpointer | None = None
         self.restored: Restored | None = None
         self._last_saved = -1
+        # The Checkpointer of a `fit` that outlives it (DLFleetTrainer's
+        # restarts in place: one for all rounds, closed by the trainer).
+        self.kept: Checkpointer | None = None
 
     # ---------------------------------------------------------------- hooks
 
@@ -112,9 +115,7 @@ class DLFleetCheckpoint(Callback):
         if stage != "fit":
             return
         _follow_the_round(trainer)
-        self.checkpointer = Checkpointer(
-            every=self.save_every, persist_every=self.persist_every, persist_dir=self.persist_dir
-        )
+        self.checkpointer = self.kept or self.make_checkpointer()
         self.restored = self.checkpointer.load()
         if self.restored is not None:
             # Lightning restores from the checkpoint it loaded (modules and
@@ -172,10 +173,16 @@ class DLFleetCheckpoint(Callback):
 
     # ------------------------------------------------------------ internals
 
+    def make_checkpointer(self) -> Checkpointer:
+        return Checkpointer(
+            every=self.save_every, persist_every=self.persist_every, persist_dir=self.persist_dir
+        )
+
     def _close(self) -> None:
-        if self.checkpointer is not None:
+        """The fit ends (or failed): its Checkpointer closes, unless it is kept."""
+        if self.checkpointer is not None and self.checkpointer is not self.kept:
             self.checkpointer.close()  # persists the newest step, when persisting
-            self.checkpointer = None
+        self.checkpointer = None
 
     def _save(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, force: bool = False
@@ -215,11 +222,16 @@ class DLFleetTrainer(pl.Trainer):
         if not any(isinstance(plugin, ClusterEnvironment) for plugin in plugins):
             plugins.append(DLFleetEnvironment())
         callbacks = _listed(kwargs.pop("callbacks", None))
-        if not any(isinstance(callback, DLFleetCheckpoint) for callback in callbacks):
-            checkpoint = DLFleetCheckpoint(
+        given = [c for c in callbacks if isinstance(c, DLFleetCheckpoint)]
+        self._fleet = (
+            given[0]
+            if given
+            else DLFleetCheckpoint(
                 save_every=save_every, persist_every=persist_every, persist_dir=persist_dir
             )
-            callbacks.append(checkpoint)
+        )
+        if not given:
+            callbacks.append(self._fleet)
         super().__init__(*args, plugins=plugins, callbacks=callbacks, **kwargs)
 
     def fit(
@@ -248,7 +260,16 @@ class DLFleetTrainer(pl.Trainer):
                 model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only
             )
 
-        elastic.run(attempt)
+        # One Checkpointer for every round, as a script in `elastic.run` keeps
+        # its own: closed per round, it would persist its last step as the
+        # aborted fit tears down, and wait there for the parts of ranks that
+        # are gone (a dead rank of another node) while the round moves on.
+        with self._fleet.make_checkpointer() as kept:
+            self._fleet.kept = kept
+            try:
+                elastic.run(attempt)
+            finally:
+                self._fleet.kept = None
 
     def _join_round(self) -> None:
         """Lightning's ranks and node count for this round's world: the
