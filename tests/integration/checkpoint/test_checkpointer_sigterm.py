@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,29 @@ from dlfleet.api.env import CHECKPOINT_DIR_ENV, ROUND_ENV
 from dlfleet.worker.checkpoint import files, persist, presence
 
 pytestmark = pytest.mark.integration
+
+
+def wait_saved(procs: list[subprocess.Popen[str]]) -> None:
+    """Until every process printed "saved" (within 60 s, none ended)."""
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        assert proc.stdout is not None
+        while proc.stdout.readline().strip() != "saved":
+            assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+
+
+def start_saved(script: str, tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
+    """`script` alone (persisting to `tmp_path/disk`), once it saved."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "disk")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DLFLEET_WORKDIR": str(tmp_path)},
+        **popen,
+    )
+    wait_saved([proc])
+    return proc
+
 
 SCRIPT = textwrap.dedent(
     """
@@ -34,16 +58,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_terminated_process_persists_its_newest_step_first(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "disk")],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={"PATH": "/usr/bin:/bin", "DLFLEET_WORKDIR": str(tmp_path)},
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while proc.stdout.readline().strip() != "saved":
-        assert time.monotonic() < deadline and proc.poll() is None, "the script did not save"
+    proc = start_saved(SCRIPT, tmp_path)
     assert persist.newest_persisted(tmp_path / "disk") is None  # nothing was due yet
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
@@ -92,11 +107,7 @@ def test_ranks_terminated_a_save_apart_persist_the_newest_step_they_all_hold(
                 env=env,
             )
         )
-    deadline = time.monotonic() + 60
-    for proc in procs:
-        assert proc.stdout is not None
-        while proc.stdout.readline().strip() != "saved":
-            assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+    wait_saved(procs)
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     for proc in procs:
@@ -142,11 +153,7 @@ def test_a_rank_blocked_in_a_collective_persists_its_part_when_terminated(
         argv = [sys.executable, "-c", BLOCKED, str(disk), str(tmp_path / "store"), str(rank)]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
     try:
-        deadline = time.monotonic() + 60
-        for proc in procs:
-            assert proc.stdout is not None
-            while proc.stdout.readline().strip() != "saved":
-                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        wait_saved(procs)
         time.sleep(0.5)  # rank 1 into its all_reduce
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -201,11 +208,7 @@ def test_a_rank_whose_peer_was_killed_persists_at_once_from_the_peers_image(
         argv = [sys.executable, "-c", NODE, str(disk), str(last)]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
     try:
-        deadline = time.monotonic() + 60
-        for proc in procs:
-            assert proc.stdout is not None
-            while proc.stdout.readline().strip() != "saved":
-                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        wait_saved(procs)
         procs[1].kill()
         assert procs[1].wait(10) == -signal.SIGKILL
         terminated = time.monotonic()
@@ -246,11 +249,7 @@ def dead_node(tmp_path: Path, script: str, *args: str) -> Iterator[subprocess.Po
         argv = [sys.executable, "-c", script, *args]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
     try:
-        deadline = time.monotonic() + 60
-        for proc in procs:
-            assert proc.stdout is not None
-            while proc.stdout.readline().strip() != "saved":
-                assert time.monotonic() < deadline and proc.poll() is None, "a rank did not save"
+        wait_saved(procs)
         procs[1].kill()
         assert procs[1].wait(10) == -signal.SIGKILL
         presence.mark_gone(root / "own", 3, [1])
@@ -340,17 +339,7 @@ RAISING = textwrap.dedent(
 
 
 def test_a_process_leaving_on_another_handlers_error_still_persists(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", RAISING, str(tmp_path / "disk")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={"PATH": "/usr/bin:/bin", "DLFLEET_WORKDIR": str(tmp_path)},
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while proc.stdout.readline().strip() != "saved":
-        assert time.monotonic() < deadline and proc.poll() is None, "the script did not save"
+    proc = start_saved(RAISING, tmp_path, stderr=subprocess.PIPE)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "Connection closed by peer" in err, err[-2000:]

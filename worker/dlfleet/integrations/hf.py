@@ -21,11 +21,11 @@ What changes under the subclass:
   optimizer, scheduler, grad scaler, the random generators, HF's
   `TrainerState` and the loader) as often as `save_every` says ("auto": as
   keeps the saves under 1% of the training time), the parameters and
-  optimizer state copied while the next step's forward and backward run. `train()` first restores
-  the newest step every rank saved: from this node's memory, a peer node's
-  replica, or disk. HF's counters (global step, epoch, logged loss since the
-  restore, `train_loss` of this call) continue from there as after HF's own
-  resume.
+  optimizer state copied while the next step's forward and backward run.
+  `train()` first restores the newest step every rank saved: from this
+  node's memory, a peer node's replica, or disk. HF's counters (global step,
+  epoch, logged loss since the restore, `train_loss` of this call) continue
+  from there as after HF's own resume.
 - HF's own `save_steps` folders keep working, and carry the loader's state
   (`dlfleet_loader.pt`): `train(resume_from_checkpoint=...)` from one of them
   resumes the data exactly too, when dlfleet holds no newer step.
