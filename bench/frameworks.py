@@ -38,14 +38,19 @@ world goes on at 1), and wait for node A's launcher to exit. Then:
   attempt;
 - steps/s: rank 0's steps before the kill, after the first `--warmup` (100):
   the rate over most of a job's life. The kill comes at step `--kill-after`
-  (1200, of 1600 a data epoch at world size 2, 2 epochs; failures come at any time in
-  a long job, seldom in its first seconds). The first steps of a process (DDP's first buckets,
-  and for dlfleet the round's first 16 saves, which every="auto" makes at
-  every step to measure their cost) are not counted; the spare process
-  dlworker starts 3 s into a round is (its start-up takes CPU from the
-  ranks on this 2-core machine: with a kill at step 400 the window trains
-  ~20% slower than later on, and the spare is not ready yet when the kill
-  comes).
+  (1200, of 1600 a data epoch at world size 2, 2 epochs; failures come at
+  any time in a long job, seldom in its first seconds). The first steps of a
+  process (DDP's first buckets, and for dlfleet the round's first 16 saves,
+  which every="auto" makes at every step to measure their cost) are not
+  counted. dlworker's spare is primed with the first workers (it imports
+  what the script imports while they import it); what it does once the
+  script opts in (runs up to `elastic.run`) is counted.
+- start -> step: from starting the launchers to rank 0's first step; a
+  primed spare's imports compete with the workers' own there.
+- steps/s after: rank 0's rate after the kill (newer attempt, its first
+  `--warmup` steps not counted). For dlfleet it includes the new spare
+  started 3 s into the round that replaces the one used (its start takes
+  CPU from the ranks on this 2-core machine).
 
 Printed per framework, fault and system: trials recovered, medians of those
 figures; then dlfleet's steps/s over the stock job's (goal >= 0.97), and,
@@ -111,6 +116,8 @@ class Outcome:
     never: int | None = None
     kill_to_step_s: float | None = None
     steps_per_s: float | None = None
+    start_to_step_s: float | None = None
+    steps_per_s_after: float | None = None
     note: str = ""
 
 
@@ -131,6 +138,7 @@ class Trial:
         self.tag = secrets.token_hex(8)
         self.env = trial_env(TAG_ENV, self.tag)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started = 0.0  # wall clock: when the launchers were started
         self._logs: list[IO[bytes]] = []
 
     def spawn(self, name: str, argv: list[str]) -> None:
@@ -154,6 +162,7 @@ class Trial:
         return argv
 
     def start(self) -> None:
+        self.started = time.time()
         if self.system == "dlfleet":
             self.spawn(
                 "master",
@@ -292,8 +301,15 @@ class Trial:
         warmup = self.args.warmup
         if len(before) > warmup + 1:
             outcome.steps_per_s = (len(before) - warmup - 1) / (before[-1] - before[warmup])
+        if before:
+            outcome.start_to_step_s = before[0] - self.started
         kill_attempt = max((a for a, _, t in steps if t < killed), default=0)
         after = [t for a, _, t in steps if a > kill_attempt and t > killed]
+        rank0_after = sorted(t for a, r, t in steps if r == 0 and a > kill_attempt and t > killed)
+        if len(rank0_after) > warmup + 1:
+            outcome.steps_per_s_after = (len(rank0_after) - warmup - 1) / (
+                rank0_after[-1] - rank0_after[warmup]
+            )
         if after:
             outcome.kill_to_step_s = min(after) - killed
         outcome.recovered = code == 0 and bool(after)
@@ -317,7 +333,10 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
     say()
-    say("framework  fault   system   recovered  twice  never  kill->step s  steps/s  notes")
+    say(
+        "framework  fault   system   recovered  twice  never  kill->step s  steps/s"
+        "  start->step s  steps/s after  notes"
+    )
     ratios: list[float] = []
     speed: list[float] = []
     exact = True
@@ -337,6 +356,8 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
                     times += [args.timeout] * (len(mine) - len(ok))
                 medians[system] = median(times)
                 rates[system] = median([o.steps_per_s for o in mine if o.steps_per_s])
+                start = median([o.start_to_step_s for o in mine if o.start_to_step_s])
+                after = median([o.steps_per_s_after for o in ok if o.steps_per_s_after])
                 twice = median([float(o.twice) for o in ok if o.twice is not None])
                 never = median([float(o.never) for o in ok if o.never is not None])
                 if system == "dlfleet" and (
@@ -347,7 +368,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
                 say(
                     f"{framework:<10} {fault:<7} {system:<8} {len(ok)}/{len(mine):<8} "
                     f"{fmt(twice, 0):>5}  {fmt(never, 0):>5}  {fmt(medians[system]):>12}  "
-                    f"{fmt(rates[system], 1):>7}  {notes}"
+                    f"{fmt(rates[system], 1):>7}  {fmt(start):>13}  {fmt(after, 1):>13}  {notes}"
                 )
             stock_t, fleet_t = medians["stock"], medians["dlfleet"]
             if stock_t is not None and fleet_t:

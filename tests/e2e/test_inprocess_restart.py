@@ -129,6 +129,8 @@ def test_a_killed_rank_is_taken_over_by_a_spare_and_the_survivor_keeps_its_proce
     job.agent("a", steps=300)
     job.agent("b", steps=300)
     job.wait(lambda: _spare_ready(job, "a") and _spare_ready(job, "b"), "spares on both nodes")
+    # Started with the workers, imports done, then told to run the script.
+    assert all("primed at launch" in job.log(n) for n in "ab"), (job.log("a"), job.log("b"))
     first = job.steps()
     assert {line["round"] for line in first} == {1}
     pids = {line["rank"]: line["pid"] for line in first}
@@ -165,6 +167,7 @@ def test_a_rank_killed_while_its_spare_is_still_starting_waits_for_that_spare(
     job.agent("a", steps=150, env=slow)
     job.agent("b", steps=150, env=slow)
     job.wait(lambda: all("started spare process" in job.log(n) for n in "ab"), "spares starting")
+    job.wait(lambda: {line["rank"] for line in job.steps()} == {0, 1}, "both ranks training")
     node = next(n for n in "ab" if "round 1: group rank 1 of 2" in job.log(n))  # rank 1's
     assert "attached as a spare" not in job.log(node)
     pids = {line["rank"]: line["pid"] for line in job.steps()}

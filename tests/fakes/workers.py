@@ -13,13 +13,15 @@ from dlfleet.worker.agent.workers import GroupState, GroupStatus, WorkerFailure,
 class FakeWorkerGroup(WorkerGroup):
     """Stands in for `WorkerGroup` (a round's worker processes): it starts
     none; its ranks and spares are made-up pids, its status is what the test
-    sets (`status`), and `started_spares` counts the spares asked for."""
+    sets (`status`), and `started_spares` counts the spares asked for (primed
+ones too)."""
 
     def __init__(self) -> None:
         # No super().__init__: that reads the node's OOM-kill count.
         self.status = GroupStatus.RUNNING
         self._pids: tuple[int, ...] = ()
         self._spare_pids: list[int] = []
+        self._primed: list[int] = []  # of _spare_pids: primed, not yet told to run
         self._next_pid = 10_000
         self.started_spares = 0
         self.stopped = False
@@ -41,11 +43,28 @@ class FakeWorkerGroup(WorkerGroup):
     ) -> None:
         self._pids = tuple(self._new_pid() for _ in envs)
 
-    def start_spare(self, config: AgentConfig, env: Mapping[str, str], log_dir: Path) -> int:
+    def start_spare(
+        self, config: AgentConfig, env: Mapping[str, str], log_dir: Path, primed: bool = False
+    ) -> int:
         self.started_spares += 1
         pid = self._new_pid()
         self._spare_pids.append(pid)
+        if primed:
+            self._primed.append(pid)
         return pid
+
+    @property
+    def primed_pids(self) -> tuple[int, ...]:
+        return tuple(self._primed)
+
+    def release_primed(self) -> list[int]:
+        released, self._primed = self._primed, []
+        return released
+
+    def drop_primed(self) -> list[int]:
+        dropped, self._primed = self._primed, []
+        self._spare_pids = [pid for pid in self._spare_pids if pid not in dropped]
+        return dropped
 
     def reap_spares(self) -> list[WorkerFailure]:
         return []

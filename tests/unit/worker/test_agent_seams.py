@@ -81,3 +81,55 @@ def test_a_push_for_an_older_round_changes_nothing(tmp_path: Path) -> None:
     assert agent._watch(running) is running
     assert not group.stopped
     agent.client.close()
+
+
+def test_primed_spares_run_the_script_once_the_workers_restart_in_place(tmp_path: Path) -> None:
+    clock = FakeClock()
+    agent, _, group = running_agent(tmp_path, clock)
+    group.start_spare(agent.config, {}, tmp_path, primed=True)
+    agent._primed_until = clock() + 60
+    running = Running(ASSIGNMENT, restart_count=0)
+    agent._watch(running)
+    assert len(group.primed_pids) == 1  # no word yet: the workers have not opted in
+    agent.opted_in = True
+    agent._watch(running)
+    assert group.primed_pids == ()  # told to run the script
+    assert len(group.spare_pids) == 1 and group.started_spares == 1  # it is the spare
+    agent.client.close()
+
+
+def test_primed_spares_unused_end_after_the_warm_start_timeout(tmp_path: Path) -> None:
+    clock = FakeClock()
+    agent, _, group = running_agent(tmp_path, clock)
+    group.start_spare(agent.config, {}, tmp_path, primed=True)
+    agent._primed_until = clock() + 60
+    running = Running(ASSIGNMENT, restart_count=0)
+    clock.advance(59.9)
+    agent._watch(running)
+    assert len(group.primed_pids) == 1
+    clock.advance(0.1)
+    agent._watch(running)
+    assert group.primed_pids == () and group.spare_pids == ()
+    agent.client.close()
+
+
+def test_only_a_script_that_may_restart_in_place_gets_primed_spares(tmp_path: Path) -> None:
+    probe = HostProbe(hostname=lambda: "n", cpu_count=lambda: 2, accelerator_count=lambda: 0)
+    (tmp_path / "elastic.py").write_text("from dlfleet import ShardedDataLoader, elastic\n")
+    (tmp_path / "plain.py").write_text("from dlfleet import ShardedDataLoader\n")
+    wanted = {
+        ("elastic.py",): True,
+        ("plain.py",): False,
+        ("--spares", "0", "elastic.py"): False,
+        ("--no-python", "elastic.py"): False,
+    }
+    for args, primes in wanted.items():
+        *flags, script = args
+        config = parse_args(
+            [*flags, "--log-dir", str(tmp_path), str(tmp_path / script)],
+            {"DLFLEET_MASTER": "127.0.0.1:1", "DLFLEET_TOKEN": "t"},
+            probe,
+        )
+        agent = Agent(config, client=FakeMasterClient(), worker_group=FakeWorkerGroup)
+        assert agent._primes is primes, args
+        agent.client.close()

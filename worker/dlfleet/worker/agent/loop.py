@@ -66,6 +66,7 @@ from dlfleet.api.env import (
 from dlfleet.api.errors import TRAINING_DONE_REFUSAL, DlfleetError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.address import interface_environment, observe_and_choose
+from dlfleet.worker.agent import primed as primed_spare
 from dlfleet.worker.agent.config import AgentConfig
 from dlfleet.worker.agent.env import RoundAssignment, worker_environments
 from dlfleet.worker.agent.keeper import ImageKeeper
@@ -205,6 +206,14 @@ class Agent:
         self._aborted_round = 0
         self._envs: list[dict[str, str]] = []
         self._spares_due = 0.0
+        # A script that may restart in place gets its spares primed with its
+        # first workers (see `primed`); unused, they end after this long.
+        self._primes = (
+            self.config.spares > 0
+            and not self.config.no_python
+            and primed_spare.wants_spares(self.config.training_script, self.config.module)
+        )
+        self._primed_until = 0.0
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
         self.helper: CheckHelper | None = None
         self._warm_start_due = False
@@ -476,6 +485,11 @@ class Agent:
                 self.orders.expect(
                     pid, self._run_order(assignment, local_rank, phase.restart_count)
                 )
+            if self._primes and not self.opted_in:
+                env = spare_environment(self._envs[0])
+                for _ in range(self.config.spares):
+                    self.group.start_spare(self.config, env, self.log_dir, primed=True)
+                self._primed_until = self._clock() + WARM_START_TIMEOUT_S
         self._spares_due = self._clock() + SPARE_DELAY_S
         before = self.sampler
         self.sampler = NodeSampler(self.progress_dir, self.group.pids)
@@ -664,9 +678,22 @@ class Agent:
             )
 
     def _keep_spares(self) -> None:
-        """Keep `--spares` spare processes started (once the script opted in)."""
-        if not self.opted_in or self.group is None:
+        """Keep `--spares` spare processes started (once the script opted in):
+        the primed ones are told to run the script, those missing started."""
+        if self.group is None:
             return
+        if not self.opted_in:
+            if self.group.primed_pids and self._clock() >= self._primed_until:
+                dropped = self.group.drop_primed()
+                _log.info(
+                    "primed spare process(es) %s ended: the workers did not attach to restart "
+                    "in place within %.0fs",
+                    ", ".join(map(str, dropped)),
+                    WARM_START_TIMEOUT_S,
+                )
+            return
+        for pid in self.group.release_primed():
+            _log.info("started spare process %d (primed at launch: it runs the script now)", pid)
         for failure in self.group.reap_spares():
             _log.warning("a spare process ended: %s", failure.message.strip().splitlines()[-1:])
         if len(self.group.spare_pids) >= self.config.spares or self._clock() < self._spares_due:

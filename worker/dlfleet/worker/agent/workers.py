@@ -52,6 +52,7 @@ from typing import IO, Any, BinaryIO
 from dlfleet.api.diagnosis import exception_signature
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.processes import die_with_parent
+from dlfleet.worker.agent import primed as primed_spare
 from dlfleet.worker.agent.config import AgentConfig, Std
 
 logger = logging.getLogger(__name__)
@@ -303,14 +304,56 @@ class WorkerGroup:
     def alive(self, local_rank: int) -> bool:
         return self._workers[local_rank].proc.poll() is None
 
-    def start_spare(self, config: AgentConfig, env: Mapping[str, str], log_dir: Path) -> int:
-        """Start a spare process (waits in `dlfleet.elastic.run` for a rank)."""
+    def start_spare(
+        self, config: AgentConfig, env: Mapping[str, str], log_dir: Path, primed: bool = False
+    ) -> int:
+        """Start a spare process (waits in `dlfleet.elastic.run` for a rank).
+        A primed one imports what the script imports and waits for
+        `release_primed` before it runs the script (see `primed`)."""
         python = os.environ.get("PYTHON_EXEC", sys.executable)
-        command = die_with_parent(worker_command(config, python))
+        command = worker_command(config, python)
+        if primed:
+            command = [python, "-u", "-m", primed_spare.MODULE, *command[2:]]
         index = len(self._spares) + len(self._retired) + len(self._workers)
-        spare = self._start_one(config, command, env, log_dir / "spares" / str(index), 0)
+        spare = self._start_one(
+            config, die_with_parent(command), env, log_dir / "spares" / str(index), 0, primed
+        )
         self._spares.append(spare)
         return spare.proc.pid
+
+    @property
+    def primed_pids(self) -> tuple[int, ...]:
+        """Primed spares still waiting for the word to run the script."""
+        return tuple(w.proc.pid for w in self._spares if w.proc.stdin is not None)
+
+    def release_primed(self) -> list[int]:
+        """Tell every waiting primed spare to run the script; their pids."""
+        released = []
+        for worker in self._spares:
+            stdin = worker.proc.stdin
+            if stdin is None:
+                continue
+            worker.proc.stdin = None
+            with contextlib.suppress(OSError):  # it died: reap_spares tells
+                stdin.write(primed_spare.RUN)
+                stdin.flush()
+            with contextlib.suppress(OSError):
+                stdin.close()
+            released.append(worker.proc.pid)
+        return released
+
+    def drop_primed(self) -> list[int]:
+        """End the primed spares still waiting (the script never restarted in
+        place): a closed stdin and they exit 0. Their pids."""
+        dropped = [w for w in self._spares if w.proc.stdin is not None]
+        for worker in dropped:
+            assert worker.proc.stdin is not None
+            with contextlib.suppress(OSError):
+                worker.proc.stdin.close()
+            worker.proc.stdin = None
+        self._spares = [w for w in self._spares if w not in dropped]
+        self._retired.extend(dropped)  # reaped at stop()
+        return [w.proc.pid for w in dropped]
 
     def reap_spares(self) -> list[WorkerFailure]:
         """Spares that died (never trained): dropped, and described."""
@@ -413,6 +456,7 @@ class WorkerGroup:
         env: Mapping[str, str],
         rank_dir: Path,
         local_rank: int,
+        primed: bool = False,
     ) -> _Worker:
         error_file = Path(env[ERROR_FILE_ENV]) if env.get(ERROR_FILE_ENV) else None
         if error_file is not None:
@@ -430,7 +474,7 @@ class WorkerGroup:
             proc = subprocess.Popen(
                 command,
                 env={**os.environ, **env},
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if primed else subprocess.DEVNULL,
                 stdout=subprocess.PIPE if tee & Std.OUT else logs.get("stdout"),
                 stderr=subprocess.PIPE if tee & Std.ERR else logs.get("stderr"),
                 start_new_session=True,
