@@ -12,9 +12,9 @@ from dlfleet.worker.agent.workers import GroupState, GroupStatus, WorkerFailure,
 
 class FakeWorkerGroup(WorkerGroup):
     """Stands in for `WorkerGroup` (a round's worker processes): it starts
-    none; its ranks and spares are made-up pids, its status is what the test
-    sets (`status`), and `started_spares` counts the spares asked for (primed
-ones too)."""
+        none; its ranks and spares are made-up pids, its status is what the test
+        sets (`status`), and `started_spares` counts the spares asked for (primed
+    ones too)."""
 
     def __init__(self) -> None:
         # No super().__init__: that reads the node's OOM-kill count.

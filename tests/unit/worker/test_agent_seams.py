@@ -93,7 +93,7 @@ def test_primed_spares_run_the_script_once_the_workers_restart_in_place(tmp_path
     assert len(group.primed_pids) == 1  # no word yet: the workers have not opted in
     agent.opted_in = True
     agent._watch(running)
-    assert group.primed_pids == ()  # told to run the script
+    assert not group.primed_pids  # told to run the script
     assert len(group.spare_pids) == 1 and group.started_spares == 1  # it is the spare
     agent.client.close()
 
@@ -109,7 +109,7 @@ def test_primed_spares_unused_end_after_the_warm_start_timeout(tmp_path: Path) -
     assert len(group.primed_pids) == 1
     clock.advance(0.1)
     agent._watch(running)
-    assert group.primed_pids == () and group.spare_pids == ()
+    assert not group.primed_pids and not group.spare_pids
     agent.client.close()
 
 
