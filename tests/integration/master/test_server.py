@@ -3,13 +3,14 @@ and a real store (SQLite file and PostgreSQL)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import TOKEN, Running
+from harness import TOKEN, LoopThread, Running
 
 from dlfleet.api.client import MasterClient, RetryPolicy
 from dlfleet.api.errors import InvalidArgument, NotFound, StaleError, Unauthenticated, Unavailable
@@ -144,6 +145,34 @@ def test_node_that_stops_heartbeating_loses_its_leases(
     assert status.records_todo == 20
     with pytest.raises(StaleError):
         client.report_done("data", lease.lease_id)
+
+
+def test_a_node_is_not_dropped_for_the_masters_own_stall(
+    start_master: Callable[..., Running], loop_thread: LoopThread
+) -> None:
+    """The master's loop blocked for longer than the heartbeat timeout (a long
+    callback, a paused process): the node could not have been heard, and is
+    not blamed."""
+    settings = MasterSettings(
+        job_name="job",
+        liveness=LivenessSettings(heartbeat_interval_ms=50, heartbeat_timeout_ms=300),
+    )
+    client = start_master(settings).client
+    node = client.register_node(job_name="job", node_name="host-a", local_world_size=1)
+    stalling = threading.Event()
+
+    def stall() -> None:
+        stalling.set()
+        time.sleep(1.0)  # blocks the master's loop: 3 heartbeat timeouts
+
+    client.heartbeat(node.node_id, node.incarnation)
+    loop_thread.loop.call_soon_threadsafe(stall)
+    assert stalling.wait(5)
+    time.sleep(1.1)  # the stall, and after it a tick or two (every 75 ms)
+    client.heartbeat(node.node_id, node.incarnation)  # still registered
+    time.sleep(0.8)  # a silence of its own, the loop free: dropped
+    with pytest.raises(StaleError):
+        client.heartbeat(node.node_id, node.incarnation)
 
 
 def test_node_of_another_job_is_rejected(start_master: Callable[..., Running]) -> None:

@@ -188,7 +188,7 @@ def test_local_world_size_limits_are_accepted(local_world_size: int) -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["register", "beat", "forget", "restore", "expire"]),
+            st.sampled_from(["register", "beat", "forget", "restore", "expire", "stall"]),
             st.integers(0, 3),  # which node
             st.integers(0, 700),  # time passing before it, ms
         ),
@@ -199,28 +199,58 @@ def test_expire_finds_exactly_the_nodes_a_scan_of_all_would(
     steps: list[tuple[str, int, int]],
 ) -> None:
     """Kept in heartbeat order, `expire` looks only at the silent nodes; with
-    time going forward it must find what checking every node finds."""
+    time going forward, and the master's stalls credited, it must find what
+    checking every node finds."""
     nodes = table()
     now = 0
+    # What each node was last heard at, in the master's attentive time.
+    heard: dict[str, int] = {}
+    stalled = 0
     for op, which, passed in steps:
         now += passed
+        if op == "stall":  # the time that passed was a stall of the master
+            nodes.credit_stall(passed)
+            stalled += passed
+            continue
         name = f"n{which}"
         record = nodes.nodes.get(name)
         if op == "register":
             register(nodes, name, 1, "h", now)
+            heard[name] = now - stalled
         elif op == "beat" and record is not None:
             nodes.heartbeat(record.node_id, record.incarnation, now)
+            heard[name] = now - stalled
         elif op == "forget":
             if record is not None:
                 nodes.forget(record.node_id)
         elif op == "restore":
             nodes.apply(NodeRegistered(name, 7, 1, "h", now))
+            heard[name] = now - stalled
         elif op == "expire":
             silent = sorted(
-                r.node_id for r in nodes.nodes.values() if now - r.last_seen_ms > TIMEOUT
+                r.node_id for r in nodes.nodes.values() if now - stalled - heard[r.name] > TIMEOUT
             )
             assert sorted(r.node_id for r in nodes.expire(now)) == silent
-            assert all(now - r.last_seen_ms <= TIMEOUT for r in nodes.nodes.values())
+            assert all(now - stalled - heard[n] <= TIMEOUT for n in nodes.nodes)
+
+
+def test_a_stall_of_the_master_is_not_counted_as_any_nodes_silence() -> None:
+    nodes = table()
+    a = register(nodes, "a", 1, "h", 0)
+    b = register(nodes, "b", 1, "h", 500)
+    # The master heard nobody from 600 to 3,600 (its loop stalled 3 s).
+    nodes.credit_stall(3_000)
+    assert expired(nodes, 3_600) == []  # a: 600 ms silent, not 3,600
+    nodes.heartbeat(b.node_id, b.incarnation, 3_700)  # b's beat, queued, now heard
+    assert expired(nodes, 4_000) == []  # a: 1,000 ms, exactly the timeout
+    assert expired(nodes, 4_001) == [a.node_id]
+    assert expired(nodes, 4_700) == []
+    assert expired(nodes, 4_701) == [b.node_id]
+
+
+def test_a_negative_stall_is_invalid() -> None:
+    with pytest.raises(InvalidArgument, match="not negative"):
+        table().credit_stall(-1)
 
 
 def test_a_registration_that_replaces_a_live_incarnation_forgets_it_first() -> None:

@@ -16,6 +16,13 @@ Nodes are kept in the order of their last heartbeat, so `expire` looks only at
 the silent ones (O(expired), not O(nodes): the master runs it several times a
 second at ten thousand nodes). The order holds while time does not go back; if
 it does, a node can be found up to that much late.
+
+A node is not blamed for the master's own lag. Time in which the master could
+not have heard anyone (its loop was stalled: a long callback, the process
+stopped, a host paused) is credited to every node (`credit_stall`): a node's
+silence is the time since its last beat less the credit given since. The
+owner credits at most the time that passed, so the heartbeat order is also
+the order of silence.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class NodeRecord:
     local_world_size: int
     host: str
     last_seen_ms: int
+    # The table's stall credit (`NodeTable.stalled_ms`) at its last beat.
+    credit_ms: int = 0
 
 
 class NodeTable:
@@ -53,6 +62,8 @@ class NodeTable:
         self._incarnations: dict[str, int] = {}
         # The names of `nodes`, the longest silent first.
         self._by_beat: OrderedDict[str, None] = OrderedDict()
+        # The master's own lag, credited to every node (see `credit_stall`).
+        self.stalled_ms = 0
 
     # ------------------------------------------------------------ operations
 
@@ -95,7 +106,7 @@ class NodeTable:
         events: list[NodeEvent] = []
         for name in self._by_beat:
             record = self.nodes[name]
-            if now_ms - record.last_seen_ms <= timeout:
+            if self.silence_ms(record, now_ms) <= timeout:
                 break
             events.append(_forgotten(record))
         for event in events:
@@ -105,9 +116,24 @@ class NodeTable:
     def heartbeat(self, node_id: str, incarnation: int, now_ms: int) -> None:
         record = self.live(node_id, incarnation)
         record.last_seen_ms = max(record.last_seen_ms, now_ms)
+        record.credit_ms = self.stalled_ms
         self._by_beat.move_to_end(record.name)
 
+    def credit_stall(self, stalled_ms: int) -> None:
+        """The master could not hear anyone for `stalled_ms` (its loop was
+        stalled): no node's silence counts that time. At most the time that
+        passed since the last credit (the heartbeat order stays the order of
+        silence)."""
+        if stalled_ms < 0:
+            raise InvalidArgument(f"a stall is not negative, got {stalled_ms} ms")
+        self.stalled_ms += stalled_ms
+
     # --------------------------------------------------------------- queries
+
+    def silence_ms(self, record: NodeRecord, now_ms: int) -> int:
+        """How long `record` has been silent at `now_ms`, the master's own
+        stalls since its last beat not counted."""
+        return now_ms - record.last_seen_ms - (self.stalled_ms - record.credit_ms)
 
     def live(self, node_id: str, incarnation: int) -> NodeRecord:
         name = node_id.rpartition("#")[0]
@@ -133,6 +159,7 @@ class NodeTable:
                 event.local_world_size,
                 event.host,
                 event.registered_ms,
+                self.stalled_ms,
             )
             self._by_beat[name] = None
             self._by_beat.move_to_end(name)

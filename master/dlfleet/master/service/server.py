@@ -68,6 +68,9 @@ from dlfleet.master.service.status_service import (
 from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
+# A stall of the master's loop this long is worth a warning (shorter ones are
+# credited to the nodes silently).
+STALL_WARNING_MS = 1000
 
 SERVICE_NAMES = (
     "dlfleet.api.v1.Shards",
@@ -449,8 +452,24 @@ class MasterServer:
         return self.port
 
     async def _tick_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            slept_at, clock_at = loop.time(), self.clock()
             await asyncio.sleep(self._tick_s)
+            # Woken late: the loop was stalled, and no beat was heard meanwhile
+            # (on both clocks: a test's clock moves only when told).
+            late_ms = min(
+                (loop.time() - slept_at - self._tick_s) * 1000,
+                self.clock() - clock_at - self._tick_s * 1000,
+            )
+            if late_ms > 0:
+                self.state.nodes.credit_stall(int(late_ms))
+                if late_ms >= STALL_WARNING_MS:
+                    _log.warning(
+                        "the master's loop stalled for %.1fs: no node's heartbeats are counted "
+                        "missing for that time",
+                        late_ms / 1000,
+                    )
             await self.tick()
 
     async def tick(self) -> None:
