@@ -3,6 +3,7 @@ and a real store (SQLite file and PostgreSQL)."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -173,6 +174,35 @@ def test_a_node_is_not_dropped_for_the_masters_own_stall(
     time.sleep(0.8)  # a silence of its own, the loop free: dropped
     with pytest.raises(StaleError):
         client.heartbeat(node.node_id, node.incarnation)
+
+
+def test_a_node_is_not_dropped_while_the_master_commits_its_registration(
+    start_master: Callable[..., Running], store_url: str
+) -> None:
+    """The store held by someone else for longer than the heartbeat timeout:
+    the registration's durable commit waits, and so does its answer. The node
+    could not beat before it had that answer, and is not blamed."""
+    if not store_url.startswith("sqlite:///"):
+        pytest.skip("the store is held through SQLite's own lock")
+    settings = MasterSettings(
+        job_name="job",
+        liveness=LivenessSettings(heartbeat_interval_ms=50, heartbeat_timeout_ms=300),
+    )
+    client = start_master(settings).client
+    holder = sqlite3.connect(
+        store_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False
+    )
+    holder.execute("BEGIN EXCLUSIVE")
+    released = threading.Timer(1.0, holder.execute, args=("COMMIT",))
+    released.start()
+    try:
+        started = time.monotonic()
+        node = client.register_node(job_name="job", node_name="host-a", local_world_size=1)
+        assert time.monotonic() - started >= 0.9  # the commit waited for the store
+        client.heartbeat(node.node_id, node.incarnation)  # still registered
+    finally:
+        released.join()
+        holder.close()
 
 
 def test_node_of_another_job_is_rejected(start_master: Callable[..., Running]) -> None:

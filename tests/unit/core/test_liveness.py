@@ -188,7 +188,9 @@ def test_local_world_size_limits_are_accepted(local_world_size: int) -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["register", "beat", "forget", "restore", "expire", "stall"]),
+            st.sampled_from(
+                ["register", "pending", "answer", "beat", "forget", "restore", "expire", "stall"]
+            ),
             st.integers(0, 3),  # which node
             st.integers(0, 700),  # time passing before it, ms
         ),
@@ -205,6 +207,8 @@ def test_expire_finds_exactly_the_nodes_a_scan_of_all_would(
     now = 0
     # What each node was last heard at, in the master's attentive time.
     heard: dict[str, int] = {}
+    waiting: set[str] = set()  # registered, not yet answered
+    awaiting: list[str] = []  # answered, no beat since, in answer order
     stalled = 0
     for op, which, passed in steps:
         now += passed
@@ -214,24 +218,44 @@ def test_expire_finds_exactly_the_nodes_a_scan_of_all_would(
             continue
         name = f"n{which}"
         record = nodes.nodes.get(name)
-        if op == "register":
-            register(nodes, name, 1, "h", now)
+        if op in ("register", "pending"):
+            nodes.register(name, 1, "h", now, pending=op == "pending")
             heard[name] = now - stalled
+            waiting.discard(name)
+            awaiting[:] = [n for n in awaiting if n != name]
+            if op == "pending":
+                waiting.add(name)
+        elif op == "answer" and record is not None:
+            nodes.answered(record.node_id, record.incarnation, now)
+            heard[name] = now - stalled
+            waiting.discard(name)
+            if name not in awaiting:
+                awaiting.append(name)
         elif op == "beat" and record is not None:
             nodes.heartbeat(record.node_id, record.incarnation, now)
             heard[name] = now - stalled
+            if name in awaiting:  # its session taken: so were those answered before
+                for earlier in awaiting[: awaiting.index(name)]:
+                    heard[earlier] = now - stalled
+                del awaiting[: awaiting.index(name) + 1]
         elif op == "forget":
             if record is not None:
                 nodes.forget(record.node_id)
+                awaiting[:] = [n for n in awaiting if n != name]
         elif op == "restore":
             nodes.apply(NodeRegistered(name, 7, 1, "h", now))
             heard[name] = now - stalled
+            waiting.discard(name)
+            awaiting[:] = [n for n in awaiting if n != name]
         elif op == "expire":
             silent = sorted(
-                r.node_id for r in nodes.nodes.values() if now - stalled - heard[r.name] > TIMEOUT
+                r.node_id
+                for r in nodes.nodes.values()
+                if r.name not in waiting and now - stalled - heard[r.name] > TIMEOUT
             )
             assert sorted(r.node_id for r in nodes.expire(now)) == silent
-            assert all(now - stalled - heard[n] <= TIMEOUT for n in nodes.nodes)
+            awaiting[:] = [n for n in awaiting if n in nodes.nodes]
+            assert all(n in waiting or now - stalled - heard[n] <= TIMEOUT for n in nodes.nodes)
 
 
 def test_a_stall_of_the_master_is_not_counted_as_any_nodes_silence() -> None:
@@ -246,6 +270,39 @@ def test_a_stall_of_the_master_is_not_counted_as_any_nodes_silence() -> None:
     assert expired(nodes, 4_001) == [a.node_id]
     assert expired(nodes, 4_700) == []
     assert expired(nodes, 4_701) == [b.node_id]
+
+
+def test_a_node_is_not_expired_before_its_registration_is_answered() -> None:
+    nodes = table()
+    a, _ = nodes.register("a", 1, "h", 0, pending=True)
+    assert expired(nodes, 5_000) == []  # the commit took 5 s: a could not beat
+    nodes.answered(a.node_id, a.incarnation, 5_000)
+    assert expired(nodes, 6_000) == []
+    assert expired(nodes, 6_001) == [a.node_id]
+    nodes.answered(a.node_id, a.incarnation, 7_000)  # gone: nothing happens
+    assert a.node_id not in {r.node_id for r in nodes.nodes.values()}
+
+
+def test_an_answer_to_a_replaced_incarnation_changes_nothing() -> None:
+    nodes = table()
+    first, _ = nodes.register("a", 1, "h", 0, pending=True)
+    nodes.register("a", 1, "h", 10, pending=True)
+    nodes.answered(first.node_id, first.incarnation, 20)
+    assert not nodes.nodes["a"].answered
+    assert expired(nodes, 5_000) == []
+
+
+def test_a_node_answered_is_not_blamed_until_a_later_ones_session_is_taken() -> None:
+    nodes = table()
+    a, _ = nodes.register("a", 1, "h", 0, pending=True)
+    b, _ = nodes.register("b", 1, "h", 0, pending=True)
+    nodes.answered(a.node_id, a.incarnation, 100)
+    nodes.answered(b.node_id, b.incarnation, 200)
+    # The master takes sessions late: b's first beat comes at 900, a's never.
+    nodes.heartbeat(b.node_id, b.incarnation, 900)
+    nodes.heartbeat(b.node_id, b.incarnation, 1_500)
+    assert expired(nodes, 1_900) == []  # a counts from 900, not from 100
+    assert expired(nodes, 1_901) == [a.node_id]
 
 
 def test_a_negative_stall_is_invalid() -> None:

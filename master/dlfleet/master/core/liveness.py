@@ -22,7 +22,11 @@ not have heard anyone (its loop was stalled: a long callback, the process
 stopped, a host paused) is credited to every node (`credit_stall`): a node's
 silence is the time since its last beat less the credit given since. The
 owner credits at most the time that passed, so the heartbeat order is also
-the order of silence.
+the order of silence. Nor for the time before the master answered its
+registration (`register` ... `answered`), nor for the time before the
+master took its session: between its answer and its first beat a node's
+silence counts only from the latest first beat of a node answered after it
+(the master took that one's session, so it would have taken this one's).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class NodeRecord:
     last_seen_ms: int
     # The table's stall credit (`NodeTable.stalled_ms`) at its last beat.
     credit_ms: int = 0
+    # False from `register` until the node has its answer (`answered`): it
+    # cannot beat before, and is not expired (a busy master's durable commit
+    # of the registration can take longer than a heartbeat timeout).
+    answered: bool = True
 
 
 class NodeTable:
@@ -64,15 +72,18 @@ class NodeTable:
         self._by_beat: OrderedDict[str, None] = OrderedDict()
         # The master's own lag, credited to every node (see `credit_stall`).
         self.stalled_ms = 0
+        # Answered registrations not yet followed by a beat, in answer order.
+        self._awaiting: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------ operations
 
     def register(
-        self, name: str, local_world_size: int, host: str, now_ms: int
+        self, name: str, local_world_size: int, host: str, now_ms: int, *, pending: bool = False
     ) -> tuple[NodeRecord, list[NodeEvent]]:
         """A new incarnation of `name`: its record, and the events (the live
         incarnation it replaces forgotten, if there is one, then the new one
-        registered; the caller releases what the replaced one held)."""
+        registered; the caller releases what the replaced one held). With
+        `pending`, the node is not expired until `answered`."""
         if not name or len(name) > MAX_NODE_NAME or not name.isprintable() or "#" in name:
             raise InvalidArgument(
                 f"node name must be 1..{MAX_NODE_NAME} printable characters without '#', "
@@ -88,7 +99,19 @@ class NodeTable:
         events.append(NodeRegistered(name, incarnation, local_world_size, host, now_ms))
         for event in events:
             self.apply(event)
-        return self.nodes[name], events
+        record = self.nodes[name]
+        record.answered = not pending
+        return record, events
+
+    def answered(self, node_id: str, incarnation: int, now_ms: int) -> None:
+        """The registration of `node_id` was answered (or failed) at `now_ms`:
+        its silence counts from now. Nothing if it is no longer live."""
+        record = self.nodes.get(node_id.rpartition("#")[0])
+        if record is None or record.node_id != node_id or record.incarnation != incarnation:
+            return
+        record.answered = True
+        self._beat(record, now_ms)
+        self._awaiting[record.name] = None
 
     def forget(self, node_id: str) -> list[NodeEvent]:
         """The live incarnation `node_id` goes (it died, left or finished);
@@ -106,6 +129,8 @@ class NodeTable:
         events: list[NodeEvent] = []
         for name in self._by_beat:
             record = self.nodes[name]
+            if not record.answered:
+                continue  # not told its id yet: it cannot have beaten
             if self.silence_ms(record, now_ms) <= timeout:
                 break
             events.append(_forgotten(record))
@@ -115,6 +140,18 @@ class NodeTable:
 
     def heartbeat(self, node_id: str, incarnation: int, now_ms: int) -> None:
         record = self.live(node_id, incarnation)
+        if record.name in self._awaiting:
+            # Its first beat: the master took its session, so it would have
+            # taken those of the nodes answered before it; their silence
+            # counts from now.
+            while self._awaiting:
+                name, _ = self._awaiting.popitem(last=False)
+                if name == record.name:
+                    break
+                self._beat(self.nodes[name], now_ms)
+        self._beat(record, now_ms)
+
+    def _beat(self, record: NodeRecord, now_ms: int) -> None:
         record.last_seen_ms = max(record.last_seen_ms, now_ms)
         record.credit_ms = self.stalled_ms
         self._by_beat.move_to_end(record.name)
@@ -163,11 +200,13 @@ class NodeTable:
             )
             self._by_beat[name] = None
             self._by_beat.move_to_end(name)
+            self._awaiting.pop(name, None)
         elif isinstance(event, NodeForgotten):
             record = self.nodes.get(name)
             if record is not None and record.incarnation == event.incarnation:
                 del self.nodes[name]
                 self._by_beat.pop(name, None)
+                self._awaiting.pop(name, None)
         else:
             raise AssertionError(f"unknown node event {event!r}")
 

@@ -223,7 +223,7 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             )
         nnodes_warning = self._judge_nnodes(request)
         record, events = self.state.nodes.register(
-            request.node_name, request.local_world_size, request.host, self.clock()
+            request.node_name, request.local_world_size, request.host, self.clock(), pending=True
         )
         seen = peer_host(context.peer()) or ""
 
@@ -247,7 +247,13 @@ class NodesService(nodes_pb2_grpc.NodesServicer, _Handlers):
             replaced = forgotten[0].node_id
             lost = self.membership.loss(replaced, "was replaced by a new incarnation", forgotten)
             decision = Decision([*lost.events, registration], [registered, *lost.effects])
-        await self.membership.executor.carry_out(decision)
+        try:
+            await self.membership.executor.carry_out(decision)
+        finally:
+            # The node cannot beat before it has this answer: its silence
+            # starts now, not when the registration was applied (a busy
+            # master's durable commit can take longer than a heartbeat timeout).
+            self.state.nodes.answered(record.node_id, record.incarnation, self.clock())
         liveness = self.state.nodes.settings
         return nodes_pb2.RegisterNodeResponse(
             node_id=record.node_id,
