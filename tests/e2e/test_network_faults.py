@@ -297,18 +297,11 @@ def test_a_cut_off_node_is_dropped_in_time_fenced_and_rejoins_later(
         "report_done": "StaleError",
         "join": "StaleError",
     }, fenced
-    # b's own agent learns it was dropped and gives the node up (exit 3: a
-    # platform may replace it); its workers never join a later round.
-    assert b1.wait_exit(timeout=40) == 3, b1.tail()
-    assert "not registered" in b1.text() or "dropped" in b1.text(), b1.tail()
-    assert not f.master.matches(rf"round {alone.round} closed", since=healed_at)
-    before = len(f.steps(alone.round, "a#1"))
-    f.wait_steps(alone.round, "a#1", before + 3, timeout=30)
-
-    # Started again, b is a new incarnation and rejoins in a later round.
-    f.agent("b")
+    # b's own agent learns it was dropped, registers a new incarnation and
+    # rejoins by itself, in a later round; its old workers never trained again.
     again = f.wait_formed({"a#1", "b#2"}, since=healed_at, timeout=60)
     assert again.round > alone.round
+    assert "registered again as b#2" in b1.text(), b1.tail()
     for node in ("a#1", "b#2"):
         steps = f.wait_steps(again.round, node, 3, timeout=60)
         assert {(s["world"], s["sum"]) for s in steps} == {(2, 2.0)}

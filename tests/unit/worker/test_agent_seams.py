@@ -13,9 +13,9 @@ from fakes.workers import FakeWorkerGroup
 from dlfleet.api.v1 import rendezvous_pb2
 from dlfleet.worker.agent.config import HostProbe, parse_args
 from dlfleet.worker.agent.env import RoundAssignment
-from dlfleet.worker.agent.loop import Agent
+from dlfleet.worker.agent.loop import MAX_REGISTRATIONS, Agent
 from dlfleet.worker.agent.metrics import NodeSampler
-from dlfleet.worker.agent.phases import Rejoining, Running
+from dlfleet.worker.agent.phases import EXIT_NODE_LOST, Dropped, Failed, Rejoining, Running
 
 ASSIGNMENT = RoundAssignment(
     round=1,
@@ -133,3 +133,16 @@ def test_only_a_script_that_may_restart_in_place_gets_primed_spares(tmp_path: Pa
         agent = Agent(config, client=FakeMasterClient(), worker_group=FakeWorkerGroup)
         assert agent._primes is primes, args
         agent.client.close()
+
+
+def test_a_node_the_master_dropped_while_it_runs_is_registered_again(tmp_path: Path) -> None:
+    agent, session, group = running_agent(tmp_path, FakeClock())
+    session.closed_by_master.set()  # the master refused the session: it forgot the node
+    phase = agent._watch(Running(ASSIGNMENT, restart_count=2))
+    assert isinstance(phase, Dropped) and phase.restart_count == 2
+    assert group.stopped  # its round is over
+    agent._registrations = MAX_REGISTRATIONS  # it has registered again enough
+    ended = agent.step(phase)
+    assert isinstance(ended, Failed) and ended.exit_code == EXIT_NODE_LOST
+    assert "giving the node up" in ended.reason
+    agent.client.close()

@@ -63,7 +63,7 @@ from dlfleet.api.env import (
     SPARE_ENV,
     TOKEN_ENV,
 )
-from dlfleet.api.errors import TRAINING_DONE_REFUSAL, DlfleetError
+from dlfleet.api.errors import TRAINING_DONE_REFUSAL, DlfleetError, StaleError
 from dlfleet.api.v1 import checkpoint_pb2, rendezvous_pb2
 from dlfleet.worker.address import interface_environment, observe_and_choose
 from dlfleet.worker.agent import primed as primed_spare
@@ -83,6 +83,7 @@ from dlfleet.worker.agent.phases import (
     FINAL,
     CheckFailed,
     Checking,
+    Dropped,
     Failed,
     Joining,
     Phase,
@@ -126,6 +127,9 @@ SPARE_DELAY_S = 3.0
 # is warm, the others get this much longer (a straggler is started cold).
 WARM_START_TIMEOUT_S = 60.0
 WARM_START_STRAGGLER_S = 10.0
+# How many times a node the master dropped while its agent lived registers
+# again (a link that keeps failing: after that the node is given up, exit 3).
+MAX_REGISTRATIONS = 3
 # Variables that name one rank: a spare has none until it takes over a rank.
 _RANK_VARIABLES = ("TORCHELASTIC_ERROR_FILE", PROGRESS_ENV)
 # A spare is a world of one until a run order gives it a round: a script
@@ -214,6 +218,10 @@ class Agent:
             and primed_spare.wants_spares(self.config.training_script, self.config.module)
         )
         self._primed_until = 0.0
+        # Registrations after the first (`_register_again`), and the interval
+        # the master gave for heartbeats.
+        self._registrations = 0
+        self._beat_interval_s = 1.0
         self._previous_exception = ""  # of this node's last failure, for `repeated` rules
         self.helper: CheckHelper | None = None
         self._warm_start_due = False
@@ -247,17 +255,12 @@ class Agent:
             _log.error("%s", error)
             return EXIT_NODE_LOST
         self.node_id, self.incarnation = registered.node_id, registered.incarnation
-        interval = max(registered.heartbeat_interval_ms, 100) / 1000
-        self.session = self.client.agent_session(self.node_id, self.incarnation, interval)
-        self.server, self.keeper = self._start_server()
-        self.helper = CheckHelper(
-            self.session,
-            master=self.config.master,
-            token=self.config.token,
-            node_id=self.node_id,
-            incarnation=self.incarnation,
+        self._beat_interval_s = max(registered.heartbeat_interval_ms, 100) / 1000
+        self.session = self.client.agent_session(
+            self.node_id, self.incarnation, self._beat_interval_s
         )
-        self.helper.start()
+        self.server, self.keeper = self._start_server()
+        self.helper = self._start_helper()
         self._warm_start_due = registered.restarts_in_place and self.config.spares > 0
         self.max_nodes = registered.max_nodes  # 0: a master that does not say
         phase: Phase = Checking() if self.config.node_check else Joining(restart_count=0)
@@ -324,6 +327,8 @@ class Agent:
         if isinstance(phase, Rejoining):
             _log.info("re-rendezvous: %s", phase.reason)
             return Joining(phase.restart_count)
+        if isinstance(phase, Dropped):
+            return self._register_again(phase)
         raise AssertionError(f"no step from {phase}")
 
     def _check(self) -> Phase:
@@ -389,6 +394,73 @@ class Agent:
         )
         return Joining(phase.restart_count + 1)
 
+    def _start_helper(self) -> CheckHelper:
+        assert self.session is not None
+        helper = CheckHelper(
+            self.session,
+            master=self.config.master,
+            token=self.config.token,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+        )
+        helper.start()
+        return helper
+
+    def _register_again(self, phase: Dropped) -> Phase:
+        """The master dropped this node though its agent lives: it took the
+        node for dead (its link was cut, or it was stopped, for longer than
+        the heartbeat timeout). The workers are stopped (their round is
+        over); the node registers a new incarnation, with the same keeper and
+        its images, and joins again, at most MAX_REGISTRATIONS times."""
+        assert self.session is not None
+        self._stop_workers()
+        if self._registrations >= MAX_REGISTRATIONS:
+            return Failed(
+                None,
+                f"the master dropped this node ({phase.reason}); registered "
+                f"{self._registrations} times already, giving the node up",
+                EXIT_NODE_LOST,
+            )
+        try:
+            registered = self.client.register_node(
+                job_name=self.config.job_name,
+                node_name=self.config.node_name,
+                local_world_size=self.config.nproc_per_node,
+                host=self.host,
+                nnodes=(self.config.min_nodes, self.config.max_nodes)
+                if self.config.nnodes_given
+                else None,
+            )
+        except DlfleetError as error:
+            return Failed(
+                None, f"the master dropped this node ({phase.reason}) and: {error}", EXIT_NODE_LOST
+            )
+        self._registrations += 1
+        dropped = self.node_id
+        self.session.leaving()  # its end is expected: the master forgot it
+        self.session.close()
+        if self.helper is not None:
+            self.helper.close()
+        if self.store_probe is not None:
+            self.store_probe.stop()
+            self.store_probe = None
+        self.node_id, self.incarnation = registered.node_id, registered.incarnation
+        self.session = self.client.agent_session(
+            self.node_id, self.incarnation, self._beat_interval_s
+        )
+        self.session.restarts_in_place = self.opted_in
+        if self.keeper is not None:  # its images stay; it speaks for the new incarnation
+            self.session.on_checkpoint_progress = self.keeper.heard_progress
+            self.keeper.node_id, self.keeper.incarnation = self.node_id, self.incarnation
+        self.helper = self._start_helper()
+        _log.warning(
+            "the master dropped %s (%s): registered again as %s, joining",
+            dropped,
+            phase.reason,
+            self.node_id,
+        )
+        return Joining(phase.restart_count)
+
     def _start_server(self) -> tuple[AgentServer, ImageKeeper]:
         return start_keeper(
             self.orders,
@@ -437,6 +509,8 @@ class Agent:
                 # restore. Exit as a node whose training failed, so the job
                 # fails with the diagnosis, not relaunched into the same refusal.
                 return Failed(None, str(error), EXIT_WORKERS_FAILED)
+            if isinstance(error, StaleError) and self.session.closed_by_master.is_set():
+                return Dropped(f"its join was refused: {error}", phase.restart_count)
             return Failed(None, f"rendezvous failed: {error}", EXIT_NODE_LOST)
         if joined is None:
             return Preempted()
@@ -576,9 +650,7 @@ class Agent:
             return Rejoining(push.reason, phase.restart_count)
         if self.session.closed_by_master.is_set():
             self._stop_workers()
-            return Failed(
-                None, "the master no longer knows this node (it was dropped)", EXIT_NODE_LOST
-            )
+            return Dropped("the master no longer knows this node", phase.restart_count)
         self._sample()
         state = self.group.poll()
         if state.status is GroupStatus.SUCCEEDED:

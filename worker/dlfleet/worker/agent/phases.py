@@ -43,6 +43,15 @@ class Rejoining:
     restart_count: int
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """The master dropped this node while its agent lives (it took the node
+    for dead: a partition, a stall): register a new incarnation, join again."""
+
+    reason: str
+    restart_count: int
+
+
 EXIT_WORKERS_FAILED = 1
 EXIT_NODE_LOST = 3
 EXIT_NODE_FAULTY = 4  # diagnosed: a hardware fault, replace this node
@@ -80,7 +89,7 @@ class CheckFailed:
 
 
 Phase = (
-    Checking | Joining | Running | Restarting | Rejoining | Succeeded | Failed | Preempted
-    | CheckFailed
+    Checking | Joining | Running | Restarting | Rejoining | Dropped | Succeeded | Failed
+    | Preempted | CheckFailed
 )  # fmt: skip
 FINAL = (Succeeded, Failed, Preempted, CheckFailed)
