@@ -31,7 +31,7 @@ from dlfleet.api.serving.answers import bounded_details, rpc
 from dlfleet.api.status import status_number, status_of
 from dlfleet.api.v1 import rendezvous_pb2, rendezvous_pb2_grpc, shards_pb2
 from dlfleet.master.core.goodput import Cause
-from dlfleet.master.core.reachability import Published, unreachable
+from dlfleet.master.core.reachability import Published, Publishers, unreachable
 from dlfleet.master.core.rendezvous import RendezvousEvent, Round
 from dlfleet.master.core.restart_loop import leased_in_round
 from dlfleet.master.service.membership import Membership
@@ -61,6 +61,8 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         self._last_join: dict[str, rendezvous_pb2.JoinRequest] = {}
         self._joins: dict[str, set[asyncio.Task[None]]] = {}
         self._master_joins = 0
+        # What the nodes publish, for the reachability check at each join.
+        self._publishers = Publishers()
         membership.rejoiner = self
 
     @rpc
@@ -98,6 +100,18 @@ class RendezvousService(rendezvous_pb2_grpc.RendezvousServicer):
         machines (`core.reachability`): the joiner is refused, and so are the
         nodes waiting with one, so that no such round forms."""
         rdzv, seen = self.state.rendezvous, self.state.seen_from
+        self._publishers.joined(node_id, Published(host, seen.get(node_id, "")))
+
+        def present(other: str) -> bool:
+            active = rdzv.state.active
+            return (
+                other == node_id
+                or other in rdzv.state.waiting
+                or (active is not None and active.member(other) is not None)
+            )
+
+        if not self._publishers.may_refuse(present):
+            return  # no loopback publisher, or one machine: nothing to refuse
         nodes = {
             p.node_id: Published(p.host, seen.get(p.node_id, ""))
             for p in rdzv.state.waiting.values()
