@@ -69,9 +69,11 @@ from dlfleet.master.service.timeline import EventKind, Timeline
 
 _log = logging.getLogger(__name__)
 # How late the ticker may wake without it counting as a stall of the loop:
-# a busy loop's ordinary latency, in which beats are still heard. Only the
-# lateness beyond it is credited to the nodes (crediting all of it, a loop
-# late by 25 ms a tick under load put off a dead node's drop by 1.5 s).
+# a busy loop's ordinary latency, in which beats are still heard, at least
+# this and a twentieth of the heartbeat timeout (a delay that much shorter
+# than the timeout cannot cost a node its place). Only the lateness beyond
+# it is credited to the nodes: crediting all of it, a loop late by 25 ms a
+# tick under load put off a dead node's drop by 1.5 s.
 STALL_SLACK_MS = 100
 # A stall of the master's loop this long is worth a warning (shorter ones are
 # credited to the nodes silently).
@@ -338,6 +340,7 @@ class MasterServer:
             250, settings.shard.lease_timeout_ms // 4, settings.liveness.heartbeat_timeout_ms // 4
         )
         self._tick_s = (tick_ms or max(every_ms, 10)) / 1000
+        self._stall_slack_ms = max(STALL_SLACK_MS, settings.liveness.heartbeat_timeout_ms // 20)
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.membership: Membership | None = None
@@ -473,8 +476,8 @@ class MasterServer:
                 (loop.time() - slept_at - self._tick_s) * 1000,
                 self.clock() - clock_at - self._tick_s * 1000,
             )
-            if late_ms > STALL_SLACK_MS:
-                self.state.nodes.credit_stall(int(late_ms - STALL_SLACK_MS))
+            if late_ms > self._stall_slack_ms:
+                self.state.nodes.credit_stall(int(late_ms - self._stall_slack_ms))
                 if late_ms >= STALL_WARNING_MS:
                     _log.warning(
                         "the master's loop stalled for %.1fs: no node's heartbeats are counted "
