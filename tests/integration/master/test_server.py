@@ -3,12 +3,14 @@ and a real store (SQLite file and PostgreSQL)."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
+import psycopg
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import TOKEN, LoopThread, Running
@@ -182,27 +184,40 @@ def test_a_node_is_not_dropped_while_the_master_commits_its_registration(
     """The store held by someone else for longer than the heartbeat timeout:
     the registration's durable commit waits, and so does its answer. The node
     could not beat before it had that answer, and is not blamed."""
-    if not store_url.startswith("sqlite:///"):
-        pytest.skip("the store is held through SQLite's own lock")
     settings = MasterSettings(
         job_name="job",
         liveness=LivenessSettings(heartbeat_interval_ms=50, heartbeat_timeout_ms=300),
     )
     client = start_master(settings).client
-    holder = sqlite3.connect(
-        store_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False
-    )
-    holder.execute("BEGIN EXCLUSIVE")
-    released = threading.Timer(1.0, holder.execute, args=("COMMIT",))
-    released.start()
-    try:
+    with held_store(store_url, seconds=1.0):
         started = time.monotonic()
         node = client.register_node(job_name="job", node_name="host-a", local_world_size=1)
         assert time.monotonic() - started >= 0.9  # the commit waited for the store
-        client.heartbeat(node.node_id, node.incarnation)  # still registered
+    client.heartbeat(node.node_id, node.incarnation)  # still registered
+
+
+@contextlib.contextmanager
+def held_store(store_url: str, seconds: float) -> Iterator[None]:
+    """Another client holds the master's store for `seconds` from now: its
+    writes wait (SQLite's exclusive lock; PostgreSQL's lock on the journal)."""
+    if store_url.startswith("sqlite:///"):
+        sqlite = sqlite3.connect(
+            store_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False
+        )
+        sqlite.execute("BEGIN EXCLUSIVE")
+        release: Callable[[], object] = lambda: sqlite.execute("COMMIT")  # noqa: E731
+        close: Callable[[], object] = sqlite.close
+    else:
+        postgres = psycopg.connect(store_url.replace("postgresql+psycopg", "postgresql"))
+        postgres.execute("LOCK TABLE dlfleet_journal IN ACCESS EXCLUSIVE MODE")
+        release, close = postgres.commit, postgres.close
+    released = threading.Timer(seconds, release)
+    released.start()
+    try:
+        yield
     finally:
         released.join()
-        holder.close()
+        close()
 
 
 def test_node_of_another_job_is_rejected(start_master: Callable[..., Running]) -> None:
