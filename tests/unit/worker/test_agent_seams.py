@@ -83,11 +83,17 @@ def test_a_push_for_an_older_round_changes_nothing(tmp_path: Path) -> None:
     agent.client.close()
 
 
-def test_primed_spares_run_the_script_once_the_workers_restart_in_place(tmp_path: Path) -> None:
-    clock = FakeClock()
+def primed_agent(tmp_path: Path, clock: FakeClock) -> tuple[Agent, FakeWorkerGroup]:
+    """A running agent whose group has one primed spare, started just now."""
     agent, _, group = running_agent(tmp_path, clock)
     group.start_spare(agent.config, {}, tmp_path, primed=True)
-    agent._primed_until = clock() + 60
+    agent._primed_until = clock() + 60  # as a launch sets it (WARM_START_TIMEOUT_S)
+    return agent, group
+
+
+def test_primed_spares_run_the_script_once_the_workers_restart_in_place(tmp_path: Path) -> None:
+    clock = FakeClock()
+    agent, group = primed_agent(tmp_path, clock)
     running = Running(ASSIGNMENT, restart_count=0)
     agent._watch(running)
     assert len(group.primed_pids) == 1  # no word yet: the workers have not opted in
@@ -100,9 +106,7 @@ def test_primed_spares_run_the_script_once_the_workers_restart_in_place(tmp_path
 
 def test_primed_spares_unused_end_after_the_warm_start_timeout(tmp_path: Path) -> None:
     clock = FakeClock()
-    agent, _, group = running_agent(tmp_path, clock)
-    group.start_spare(agent.config, {}, tmp_path, primed=True)
-    agent._primed_until = clock() + 60
+    agent, group = primed_agent(tmp_path, clock)
     running = Running(ASSIGNMENT, restart_count=0)
     clock.advance(59.9)
     agent._watch(running)
