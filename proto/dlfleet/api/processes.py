@@ -1,4 +1,5 @@
-"""Child processes that die with their parent (Linux's parent-death signal).
+"""Child processes that die with their parent (Linux's parent-death signal),
+and the names processes give themselves.
 
 Shared by the agent (its training processes must not outlive it: an orphan
 would keep training in a stale round) and the master's local platform (the
@@ -7,9 +8,21 @@ dlworker processes of a local job end with the master that spawned them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+
+# Process names (/proc/<pid>/comm) of a worker's Python: tools tell spares
+# (primed by the agent, or waiting in `dlfleet.elastic.run`) from ranks.
+SPARE_NAME = "dlfleet-spare"
+RANK_NAME = "dlfleet-rank"
+
+
+def name_process(name: str) -> None:
+    """Set this process's name as `ps` and /proc/<pid>/comm show it."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name)
 
 
 def die_with_parent(command: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from dlfleet.api.processes import SPARE_NAME
 from dlfleet.worker.agent import primed
 
 SCRIPT = '''\
@@ -89,7 +90,7 @@ def test_it_imports_first_and_runs_the_script_only_when_told(tmp_path: Path) -> 
     time.sleep(0.3)  # time to run the script, were it not waiting
     assert not out.exists(), "the script ran before the agent said run"
     assert proc.poll() is None
-    assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == primed.SPARE_NAME
+    assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == SPARE_NAME
     told = time.time()
     output, _ = proc.communicate(primed.RUN, timeout=60)
     assert proc.returncode == 0, output.decode()

@@ -15,8 +15,8 @@ writes `run`, and the script runs as `python -u script.py` would run it,
 as a spare. Anything else, or a closed stdin, and the process exits 0.
 
 Invariants:
-- Only the standard library at module level: the agent imports
-  `wants_spares` from here.
+- Only the standard library (and `dlfleet.api`) at module level: the
+  agent imports `wants_spares` from here.
 - An import that fails is skipped: the script meets it itself, where its
   traceback belongs.
 """
@@ -32,11 +32,10 @@ import runpy
 import sys
 from pathlib import Path
 
+from dlfleet.api.processes import SPARE_NAME, name_process
+
 MODULE = "dlfleet.worker.agent.primed"
 RUN = b"run\n"
-# Process name (/proc/<pid>/comm) of a spare: `dlfleet.elastic` gives it
-# to the spares it holds; tools tell spares from ranks by it.
-SPARE_NAME = "dlfleet-spare"
 # What a script that restarts in place imports (any one of them).
 _IN_PLACE = ("dlfleet.elastic", "dlfleet.integrations")
 
@@ -103,11 +102,6 @@ def _prime(source: Path) -> None:
                     importlib.import_module(f"{name}.{attribute}")
 
 
-def _name_self() -> None:
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-        comm.write(SPARE_NAME)
-
-
 def main(argv: list[str]) -> int:
     module = bool(argv) and argv[0] == "-m"
     if module:
@@ -116,7 +110,7 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m {MODULE} [-m] script [args...]", file=sys.stderr)
         return 2
     target, args = argv[0], argv[1:]
-    _name_self()
+    name_process(SPARE_NAME)
     if not module:
         # As `python script.py` sets it: the script's folder first.
         sys.path[0] = str(Path(target).resolve().parent)

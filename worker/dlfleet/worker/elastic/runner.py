@@ -49,6 +49,7 @@ from typing import TypeVar, cast
 
 from dlfleet.api.env import AGENT_ENV, PEER_FAILURE_GRACE_ENV, ROUND_ENV, SPARE_ENV, TOKEN_ENV
 from dlfleet.api.errors import DlfleetError, StaleError
+from dlfleet.api.processes import RANK_NAME, SPARE_NAME, name_process
 from dlfleet.api.v1 import checkpoint_pb2
 from dlfleet.worker import progress
 from dlfleet.worker.elastic.abort import CollectiveAbort
@@ -60,9 +61,6 @@ T = TypeVar("T")
 DEFAULT_PEER_FAILURE_GRACE_S = 30.0
 EXIT_AGENT_GONE = 3
 _ABORTED = object()  # what an aborted attempt returns
-# Process names of spares (/proc/<pid>/comm): tools tell them from ranks.
-SPARE_NAME = "dlfleet-spare"
-RANK_NAME = "dlfleet-rank"
 # What a collective says when a peer is gone or the group was aborted.
 _COMMUNICATION_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Read error|Write error|Broken pipe|Timed out|"
@@ -159,7 +157,7 @@ def run(
     chain = previous not in (signal.SIG_DFL, signal.SIG_IGN, None)
     faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=chain)
     if os.environ.get(SPARE_ENV) == "1":
-        _name_process(SPARE_NAME)  # what `ps` shows until it takes over a rank
+        name_process(SPARE_NAME)  # what `ps` shows until it takes over a rank
         # A spare's environment is a world of one: a group the script made
         # from it (Accelerate does) is no round's.
         retire_process_group()
@@ -289,7 +287,7 @@ class _InProcess:
 
         _apply_env(order.env)
         if os.environ.get(SPARE_ENV) == "1":
-            _name_process(RANK_NAME)
+            name_process(RANK_NAME)
         self.round = order.round
         attempt = Attempt(
             round=order.round,
@@ -499,12 +497,6 @@ def _wait_for_listener(host: str, port: int, timeout: timedelta, aborted: thread
                 return
         except OSError:
             time.sleep(0.005)
-
-
-def _name_process(name: str) -> None:
-    """Set this process's name as `ps` and /proc/<pid>/comm show it."""
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-        comm.write(name)
 
 
 def _apply_env(env: Mapping[str, str]) -> None:
