@@ -3,7 +3,9 @@ the modules and optimizers it is given are copied while the next step's
 forward and backward run, that step's `optimizer.step()` waits for the copy,
 the image (finished in the background, checksums included) holds the values
 of the saved step, and the time held counts as the save's blocking. Without
-a node agent: the images live in the process's private folder."""
+a node agent: the images live in the process's private folder. The states
+here are small, which a save copies whole in the call (`INLINE_IMAGE_BYTES`):
+the tests of the background path set that size to 0; the last test keeps it."""
 
 from __future__ import annotations
 
@@ -15,12 +17,18 @@ from typing import Any
 import pytest
 import torch
 
-from dlfleet.worker.checkpoint import image
+from dlfleet.worker.checkpoint import checkpointer, image
 from dlfleet.worker.checkpoint.checkpointer import Checkpointer
 from dlfleet.worker.checkpoint.errors import CheckpointError
 from dlfleet.worker.checkpoint.image import LocalImage, PendingImage
 
 HOLD_S = 0.3
+
+
+@pytest.fixture(autouse=True)
+def in_the_background(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "small_state" not in request.node.name:
+        monkeypatch.setattr(checkpointer, "INLINE_IMAGE_BYTES", 0)
 
 
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -151,3 +159,34 @@ def test_an_image_that_could_not_be_finished_fails_the_next_save_by_its_step(
         ckpt.save(4, {"model": model, "optim": optimizer})  # the next one is written
         image_file = ckpt.last_image
         assert image_file is not None and image_file.step == 4
+
+
+def test_a_small_state_is_copied_and_finished_in_the_save_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below INLINE_IMAGE_BYTES the copy, its checksums and the header are
+    written before save() returns, on the caller's thread: the image exists
+    at once, and the next optimizer step holds nothing."""
+    model, optimizer = trained()
+    copied_on: list[str] = []
+    real = image._copy_items
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        copied_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(image, "_copy_items", noted)
+    with Checkpointer(persist_dir=tmp_path / "persist") as ckpt:
+        for at in range(3):
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            ckpt.save(at, {"model": model, "optim": optimizer})
+            with ckpt._lock:  # finished before save() returned
+                assert ckpt._last_image is not None and ckpt._last_image.step == at
+                assert ckpt._sealing is None
+            held = ckpt.step_held_s
+            step(model, optimizer)
+            assert ckpt.step_held_s == held
+            source = LocalImage(ckpt._last_image.header_path)  # verifies every checksum
+            weight = next(i for i in source.header.items if i.fqn == "model.0.weight")
+            assert torch.equal(source.tensor(weight), saved["0.weight"])
+    assert set(copied_on) == {threading.current_thread().name}

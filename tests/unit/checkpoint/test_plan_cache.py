@@ -1,19 +1,21 @@
 """The save's layout is reused while a state keeps its structure
-(image.PlanCache): whatever sequence of states is saved, each plan equals
-DCP's own planning of that state, record for record and byte for byte."""
+(plan.PlanCache): whatever sequence of states is saved, each plan equals
+DCP's own planning of that state, record for record and byte for byte,
+whether the cached plan is taken by the nested state's shape (a save that
+skips DCP's flattening) or by the flattened one's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from dlfleet.worker.checkpoint import image
-from dlfleet.worker.checkpoint.files import ItemKind
-from dlfleet.worker.checkpoint.image import BlobCache, ImageWriter, LocalImage, PlanCache, Stripe
+from dlfleet.worker.checkpoint import plan
+from dlfleet.worker.checkpoint.plan import BlobCache, PlanCache, Stripe
 
 # A state is drawn as a few choices that change its structure or only its values.
 states = st.fixed_dictionaries(
@@ -25,6 +27,10 @@ states = st.fixed_dictionaries(
         "ids": st.lists(st.integers(0, 9), max_size=4),  # a blob of changing length
         "nested": st.booleans(),  # "a.b" as one key or as a nested dict
         "grad": st.booleans(),
+        # an optimizer's state keyed by parameter index, or by its string
+        # (the same flat keys from DCP: only the nested shape tells them apart)
+        "index": st.sampled_from([0, "0"]),
+        "pair": st.sampled_from(["list", "tuple", "ints"]),  # a container of tensors, or not
     }
 )
 
@@ -36,6 +42,9 @@ def build(choice: dict[str, Any], seed: int) -> dict[str, Any]:
         "model": {"w": weight, "b": torch.arange(3.0) + seed},
         "optim": {"param_groups": [{"lr": choice["lr"], "params": [0, 1]}], "ids": choice["ids"]},
     }
+    state["optim"]["state"] = {choice["index"]: {"step": torch.tensor(float(seed))}}
+    pair = [torch.ones(2) * seed, torch.zeros(3)] if choice["pair"] != "ints" else [seed, 1]
+    state["pair"] = tuple(pair) if choice["pair"] == "tuple" else pair
     if choice["extra"]:
         state["model"]["extra"] = torch.ones(2, 2)
     if choice["nested"]:
@@ -50,7 +59,7 @@ def plain(planned: list[Any]) -> list[tuple[Any, bytes]]:
     for p in planned:
         data = p.data
         raw = (
-            data.contiguous().view(torch.uint8).numpy().tobytes()
+            data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             if isinstance(data, torch.Tensor)
             else bytes(data)
         )
@@ -70,8 +79,8 @@ def test_a_cached_layout_plans_as_dcp_does(
     cache, blobs = PlanCache(), BlobCache()
     for seed, choice in enumerate(choices):
         state = build(choice, seed)
-        got, got_paths = image._plan(state, rank, stripe, blobs, cache)
-        want, want_paths = image._plan(state, rank, stripe)
+        got, got_paths = plan.plan_state(state, rank, stripe, blobs, cache)
+        want, want_paths = plan.plan_state(state, rank, stripe)
         assert plain(got) == plain(want)
         assert got_paths == want_paths
 
@@ -84,16 +93,33 @@ def test_a_sharded_value_is_planned_anew_every_time() -> None:
             raise AssertionError("not planned in this test")
 
     flat = {"w": torch.ones(2).as_subclass(Checkpointable)}
-    assert image._structure(flat, {"w": ("w",)}, 0, None) is None
-    assert image._structure({"w": torch.ones(2)}, {"w": ("w",)}, 0, None) is not None
+    assert plan._structure(flat, {"w": ("w",)}, 0, None) is None
+    assert plan._structure({"w": torch.ones(2)}, {"w": ("w",)}, 0, None) is not None
+    assert plan._nested_key({"m": {"w": flat["w"]}}, 0, None) is None
+    assert plan._nested_key({"m": {"w": torch.ones(2)}}, 0, None) is not None
 
 
-def test_images_written_with_a_reused_layout_restore_each_step(tmp_path: Path) -> None:
-    with ImageWriter(tmp_path, rank=0, slots=2) as writer:
-        for step in range(4):
-            state = {"w": torch.full((4,), float(step)), "step": step, "ids": list(range(step))}
-            saved = writer.write(step, state, round=0, world_size=1, protect=None)
-            source = LocalImage(saved.header_path)
-            items = {i.fqn: i for i in source.header.items}
-            assert source.tensor(items["w"]).tolist() == [float(step)] * 4
-            assert items["ids"].kind is ItemKind.BYTES
+def test_a_saved_structure_skips_dcp_flattening(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second save of a structure takes the nested path: DCP's flattening
+    is not called (it is most of a small state's save)."""
+    cache, blobs = PlanCache(), BlobCache()
+    state: dict[str, Any] = {"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"step": 1}}}}
+    plan.plan_state(state, 0, None, blobs, cache)
+    assert cache.nested is not None
+    calls = []
+    original = DefaultSavePlanner.set_up_planner
+
+    def counted(self: DefaultSavePlanner, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DefaultSavePlanner, "set_up_planner", counted)
+    state["optim"]["state"][0]["step"] = 2
+    got, _ = plan.plan_state(state, 0, None, blobs, cache)
+    assert calls == []
+    state["model"]["w2"] = torch.ones(1)  # a new key: planned by DCP again
+    plan.plan_state(state, 0, None, blobs, cache)
+    assert calls == [1]
+    monkeypatch.undo()
+    want, _ = plan.plan_state({**state, "model": {"w": torch.ones(2)}}, 0, None)
+    assert plain(got) == plain(want)

@@ -17,7 +17,7 @@ from unit.checkpoint.states import assert_same, template_like
 
 from dlfleet.worker.checkpoint.errors import RestoreError
 from dlfleet.worker.checkpoint.files import ItemKind
-from dlfleet.worker.checkpoint.image import STRIPE_MIN_BYTES, ImageWriter, LocalImage, Stripe
+from dlfleet.worker.checkpoint.image import ImageWriter, LocalImage
 from dlfleet.worker.checkpoint.persist import (
     finish,
     load_persisted,
@@ -25,6 +25,7 @@ from dlfleet.worker.checkpoint.persist import (
     step_folder,
     write_part,
 )
+from dlfleet.worker.checkpoint.plan import STRIPE_MIN_BYTES, Stripe
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
 
 ROWS = 257  # odd: the parts differ in size

@@ -110,7 +110,6 @@ from dlfleet.worker.checkpoint.image import (
     ImageWriter,
     LocalImage,
     PendingImage,
-    Stripe,
 )
 from dlfleet.worker.checkpoint.ladder import (
     Candidate,
@@ -122,6 +121,7 @@ from dlfleet.worker.checkpoint.ladder import (
     descend,
 )
 from dlfleet.worker.checkpoint.overlap import StepGuard, deferrable
+from dlfleet.worker.checkpoint.plan import Stripe
 from dlfleet.worker.checkpoint.remote import fetch_image
 from dlfleet.worker.checkpoint.restore import load_full, restore_into
 from dlfleet.worker.checkpoint.term_watch import TermWatch
@@ -146,6 +146,10 @@ _CALL_TIMEOUT_S = 10.0
 # they take at most this much memory where fewer slots would not (never
 # fewer than two). They are allocated as first needed.
 IMAGE_SLOTS = 64
+# An image this small is copied, summed and finished in save() itself: the
+# copy takes less than handing it to the background threads (a state of a
+# few thousand parameters: tens of microseconds against hundreds).
+INLINE_IMAGE_BYTES = 1048576
 IMAGE_MEMORY_BYTES = 1 << 30
 _PRIVATE_SLOTS = 3  # the newest image, the one being persisted, the one being written
 _TIMES_KEPT = 16  # images whose times image_times() still knows
@@ -290,7 +294,10 @@ class Checkpointer:
         their copy if it is not done yet. Everything else (buffers, plain
         tensors, the loader's state, extras) is copied here. The checksums
         and the image's header follow in the background; the image exists
-        (and is told to the agent) once they are written. Make the
+        (and is told to the agent) once they are written. A small state
+        (an image of at most 1 MiB) is copied, summed and finished here,
+        all of it: handing it to the background threads would cost the
+        training more than the copy. Make the
         Checkpointer with `overlap=False` when the script
         changes parameters outside `optimizer.step()` (an EMA written into
         the model, weights clipped in place).
@@ -327,12 +334,16 @@ class Checkpointer:
             stripe=self._stripe(rank, world),
             defer=deferrable(state, overlap) if self.overlap else None,
             sum_later=True,
+            inline_bytes=INLINE_IMAGE_BYTES,
         )
         if not pending.copied:
             _GUARD.hold(pending)
         with self._acked:
             self._sealing = pending
-        self._seals.put((pending, persist_due))
+        if pending.background:
+            self._seals.put((pending, persist_due))
+        else:  # a small image: its header now, not after two hand-offs between threads
+            self._seal(pending, persist_due)
         self._last_saved = step
         self.saves += 1
         held, self._held_seen = _GUARD.held_s - self._held_seen, _GUARD.held_s
@@ -450,33 +461,36 @@ class Checkpointer:
             item = self._seals.get()
             if item is None:
                 return
-            pending, persist_due = item
-            try:
-                image = pending.finish()
-            except Exception as exc:  # noqa: BLE001 - kept for the next save to raise
-                pending.abandon()
-                error = CheckpointError(f"the image of step {pending.step} was not written: {exc}")
-                error.__cause__ = exc
-                _log.error("%s", error)
-                with self._acked:
-                    self._seal_error = error
-                    self._sealing = None
-                    self._acked.notify_all()
-                continue
-            persist_due = persist_due and self._claim(image)
+            self._seal(*item)
+
+    def _seal(self, pending: PendingImage, persist_due: bool) -> None:
+        """Finish `pending` (see `_seal_loop`); a failure is kept for the next save."""
+        try:
+            image = pending.finish()
+        except Exception as exc:  # noqa: BLE001 - kept for the next save to raise
+            pending.abandon()
+            error = CheckpointError(f"the image of step {pending.step} was not written: {exc}")
+            error.__cause__ = exc
+            _log.error("%s", error)
             with self._acked:
-                self._last_image = image
-                self._times.append(
-                    ImageTimes(image.step, pending.copied_s or 0.0, pending.ready_s or 0.0)
-                )
-                if persist_due:
-                    self._persisting = image.step
+                self._seal_error = error
                 self._sealing = None
                 self._acked.notify_all()
-            if self._agent is not None:
-                self._notices.put(image)
+            return
+        persist_due = persist_due and self._claim(image)
+        with self._acked:
+            self._last_image = image
+            self._times.append(
+                ImageTimes(image.step, pending.copied_s or 0.0, pending.ready_s or 0.0)
+            )
             if persist_due:
-                self._persists.put(image)
+                self._persisting = image.step
+            self._sealing = None
+            self._acked.notify_all()
+        if self._agent is not None:
+            self._notices.put(image)
+        if persist_due:
+            self._persists.put(image)
 
     @property
     def last_image(self) -> ImageFile | None:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
-import math
 import mmap
 import os
 import secrets
@@ -40,10 +38,6 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from dlfleet.worker.checkpoint import files
 from dlfleet.worker.checkpoint.errors import (
@@ -53,14 +47,19 @@ from dlfleet.worker.checkpoint.errors import (
     SlotError,
 )
 from dlfleet.worker.checkpoint.files import ImageHeader, ItemKind, ItemRecord
+from dlfleet.worker.checkpoint.plan import (
+    BlobCache,
+    PlanCache,
+    Planned,
+    Stripe,
+    plan_state,
+    round_up,
+)
 from dlfleet.worker.checkpoint.presence import Presence
 from dlfleet.worker.checkpoint.slots import Held, choose, slot_count
-from dlfleet.worker.checkpoint.structure import with_skeleton
 
 StateDict = dict[str, Any]
 
-# A plain tensor this large is cut among the ranks of a node when striping.
-STRIPE_MIN_BYTES = 1 << 20
 _GROWTH = 1 / 8  # spare room when a slot grows, so that small blobs can grow in place
 # Of the widest element (complex128); Python's bytes and bytearray data are 16-aligned.
 _ELEMENT_ALIGNMENT = 16
@@ -80,43 +79,11 @@ class ImageFile:
     nbytes: int  # of the body that belong to the image
 
 
-def materialize(state_dict: Mapping[str, Any]) -> StateDict:
-    """A shallow copy with each Stateful value replaced by its state_dict(), as dcp.save does."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
 def dtype_of(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ImageFormatError(f"unknown tensor dtype {name!r} in image header")
     return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class Stripe:
-    """This rank's place among the ranks of its node (their global ranks are
-    consecutive), for cutting large plain tensors among them."""
-
-    local_rank: int
-    local_world: int
-
-    def rows(self, total: int) -> tuple[int, int]:
-        """This rank's rows [start, end) of `total`, as torch.chunk would cut them."""
-        per = -(-total // self.local_world)
-        start = min(total, self.local_rank * per)
-        return start, min(total, start + per)
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """One item of the plan, with the data to copy and its place in the body."""
-
-    record: ItemRecord
-    data: torch.Tensor | memoryview
 
 
 class _Slot:
@@ -139,7 +106,7 @@ class _Slot:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         size = os.fstat(self._fd).st_size
         if size < nbytes:
-            size = _round_up(int(nbytes * (1 + _GROWTH)), 1 << 21)
+            size = round_up(int(nbytes * (1 + _GROWTH)), 1 << 21)
             try:
                 # Allocate now: a write into a tmpfs page that cannot be had is a SIGBUS.
                 os.posix_fallocate(self._fd, 0, size)
@@ -260,6 +227,7 @@ class ImageWriter:
         stripe: Stripe | None = None,
         defer: Callable[[torch.Tensor], bool] | None = None,
         sum_later: bool = False,
+        inline_bytes: int = 0,
     ) -> PendingImage:
         """Start an image of `state_dict`: what `defer` does not claim is
         copied now, the tensors it claims (`defer(tensor)` is True: tensors
@@ -267,9 +235,12 @@ class ImageWriter:
         optimizer state until the next `optimizer.step()`) are copied in the
         background. With `sum_later`, the checksums of what is copied now
         are computed in the background too (from the copy, which nothing
-        else writes). The image exists once `PendingImage.finish()` wrote its
-        header; until then, and if the copy fails or the process dies, the
-        slot holds no image at all. One image at a time per writer.
+        else writes). An image of at most `inline_bytes` is copied and
+        summed here, all of it (a background copy would cost more than it
+        saves), and `PendingImage.background` is False. The image exists
+        once `PendingImage.finish()` wrote its header; until then, and if
+        the copy fails or the process dies, the slot holds no image at all.
+        One image at a time per writer.
 
         The slot (see `dlfleet.worker.checkpoint.slots`): the image of step
         `protect` and the newer ones are kept while there is room (None:
@@ -288,9 +259,7 @@ class ImageWriter:
             and world_size % stripe.local_world == 0
         ):
             raise ValueError(f"{stripe} does not fit a world of {world_size}")
-        planned, paths = _plan(
-            with_skeleton(materialize(state_dict)), self.rank, stripe, self._blobs, self._plans
-        )
+        planned, paths = plan_state(state_dict, self.rank, stripe, self._blobs, self._plans)
         nbytes = max(
             (p.record.offset + p.record.length for p in planned), default=files.PREAMBLE_BYTES
         )
@@ -301,8 +270,11 @@ class ImageWriter:
         body = slot.ensure(nbytes, self._pin)
         nonce = secrets.randbits(63)
         body[: files.PREAMBLE_BYTES].copy_(_as_bytes(files.preamble(nonce)))
+        inline = nbytes <= inline_bytes
         later = [
-            i for i, p in enumerate(planned) if defer is not None and _deferrable(p.data, defer)
+            i
+            for i, p in enumerate(planned)
+            if not inline and defer is not None and _deferrable(p.data, defer)
         ]
         header = ImageHeader(
             step=step,
@@ -319,7 +291,7 @@ class ImageWriter:
         self._pending = pending
         deferred = set(later)
         now = [p for i, p in enumerate(planned) if i not in deferred]
-        if sum_later:
+        if sum_later and not inline:
             _copy_items(body, now, digest=False)
             pending.start(body, [planned[i] for i in later], unsummed=now)
         else:
@@ -402,12 +374,12 @@ class PendingImage:
         self.ready_s: float | None = None
         self._error: BaseException | None = None
 
-    def add(self, planned: Sequence[_Planned], digests: list[tuple[int, ...]]) -> None:
+    def add(self, planned: Sequence[Planned], digests: list[tuple[int, ...]]) -> None:
         for p, d in zip(planned, digests, strict=True):
             self._digests[_key(p.record)] = d
 
     def start(
-        self, body: torch.Tensor, planned: list[_Planned], unsummed: Sequence[_Planned] = ()
+        self, body: torch.Tensor, planned: list[Planned], unsummed: Sequence[Planned] = ()
     ) -> None:
         """Copy `planned` on a thread (summing each piece), then sum the
         `unsummed` items already in `body`."""
@@ -444,6 +416,11 @@ class PendingImage:
         if not self._copied.is_set():
             self.copied_s = time.perf_counter() - self._began
             self._copied.set()
+
+    @property
+    def background(self) -> bool:
+        """Whether a part of the image is copied or summed in the background."""
+        return self._job is not None
 
     @property
     def copied(self) -> bool:
@@ -494,7 +471,7 @@ class PendingImage:
         self.wait()
         header = replace(
             self._header,
-            items=tuple(replace(i, digests=self._digests[_key(i)]) for i in self._header.items),
+            items=tuple(files.with_digests(i, self._digests[_key(i)]) for i in self._header.items),
         )
         tmp = self._header_path.with_name(self._header_path.name + ".tmp")
         tmp.write_bytes(files.encode_header(header))
@@ -515,7 +492,7 @@ def _deferrable(data: torch.Tensor | memoryview, defer: Callable[[torch.Tensor],
     return isinstance(data, torch.Tensor) and defer(data)
 
 
-def _side_stream(planned: list[_Planned]) -> Any:
+def _side_stream(planned: list[Planned]) -> Any:
     """A CUDA stream for the deferred copies of device tensors, after the
     work queued so far on the current stream (which computed them); None
     when no deferred tensor is on a device."""
@@ -628,264 +605,9 @@ class BytesImage(_BufferImage):
         return None  # the bytes are ours
 
 
-class BlobCache:
-    """The serialized bytes of the plain values of the last image (a learning
-    rate, betas, an epoch, a list of parameter ids): each is a `torch.save`
-    of its own, together most of a small state's save, and most do not change
-    from step to step. A value is served from here only when it equals the
-    one the bytes were made of, type for type (so 1, 1.0 and True differ)."""
-
-    MAX_LEAVES = 256  # larger values are serialized each time
-
-    def __init__(self) -> None:
-        self._held: dict[str, tuple[object, bytes]] = {}
-
-    def serialized(self, fqn: str, value: object, make: Callable[[], io.BytesIO]) -> memoryview:
-        key = _plain_key(value, [self.MAX_LEAVES])
-        held = self._held.get(fqn)
-        if key is not None and held is not None and held[0] == key:
-            return memoryview(held[1])
-        blob = make()
-        if key is None:
-            self._held.pop(fqn, None)
-            return blob.getbuffer()
-        data = blob.getvalue()
-        self._held[fqn] = (key, data)
-        return memoryview(data)
-
-
-_PLAIN_TYPES = (int, float, bool, str, bytes, type(None))
-
-
-def _plain_key(value: object, budget: list[int]) -> object | None:
-    """`value` as nested tuples that compare equal only for an equal value of
-    the same types; None for a value that is not made of plain leaves, or of
-    more than `budget[0]` of them."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        return None
-    kind = type(value)
-    if kind is float:  # -0.0 == 0.0, yet they are saved apart
-        return (kind, value, math.copysign(1.0, cast(float, value)))
-    if kind in _PLAIN_TYPES:
-        return (kind, value)
-    if kind is list or kind is tuple:
-        items = []
-        for item in cast(Sequence[object], value):
-            key = _plain_key(item, budget)
-            if key is None:
-                return None
-            items.append(key)
-        return (kind, tuple(items))
-    return None
-
-
-class PlanCache:
-    """The layout of the last image planned (`_plan`): while a state dict
-    keeps its structure (the same keys, and plain tensors of the same shapes,
-    dtypes and devices), the next save reuses it instead of DCP's planning,
-    whose cost grows with the number of tensors and is most of a small
-    state's save. A DTensor or ShardedTensor anywhere: always planned anew."""
-
-    def __init__(self) -> None:
-        self.layout: _Layout | None = None
-
-
-@dataclass(frozen=True)
-class _Layout:
-    key: tuple[Any, ...]  # the state's structure (see `_structure`)
-    tensors: tuple[tuple[str, ItemRecord, tuple[int, int] | None], ...]  # fqn, record, rows cut
-    blobs: tuple[tuple[str, bool], ...]  # fqn, primary; laid out from `blob_offset` on
-    blob_offset: int
-    paths: dict[str, files.ObjectPath]
-
-
-def _plan(
-    state_dict: StateDict,
-    rank: int,
-    stripe: Stripe | None = None,
-    blobs: BlobCache | None = None,
-    cache: PlanCache | None = None,
-) -> tuple[list[_Planned], dict[str, files.ObjectPath]]:
-    """DCP's local save plan of `state_dict`, laid out in a body: tensors
-    first, then blobs (serialized again only when they changed, with `blobs`;
-    the layout reused while the structure is the same, with `cache`)."""
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=rank == 0)
-    flat: StateDict = planner.state_dict
-    key = _structure(flat, planner.mappings, rank, stripe) if cache is not None else None
-    layout = cache.layout if cache is not None else None
-    if layout is not None and key is not None and layout.key == key:
-        return _replan(layout, flat, blobs), layout.paths
-    plan = planner.create_local_plan()
-    planned: list[_Planned] = []
-    tensors: list[tuple[str, ItemRecord, tuple[int, int] | None]] = []
-    offset = files.PREAMBLE_BYTES
-    items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
-    blob_offset: int | None = None  # where the first blob goes (they follow the tensors)
-    for item in items:
-        data: torch.Tensor | memoryview
-        if item.type == WriteItemType.BYTE_IO:
-            blob_offset = offset if blob_offset is None else blob_offset
-            data = _serialized(item.index.fqn, flat[item.index.fqn], blobs)
-            record = ItemRecord(
-                fqn=item.index.fqn,
-                kind=ItemKind.BYTES,
-                offset=offset,
-                length=len(data),
-                primary=rank == 0,
-            )
-        else:
-            tensor = planner.resolve_data(item)
-            assert isinstance(tensor, torch.Tensor)
-            value = flat[item.index.fqn]
-            cut = _cut(item, tensor, stripe) if not isinstance(value, DTensor) else None
-            span: tuple[int, int] | None = None
-            if cut is not None and stripe is not None:
-                # The first node's parts are the ones a persist writes.
-                part, start = cut
-                record = _tensor_record(item, part, offset, rank < stripe.local_world, start)
-                span = (start, part.shape[0])
-                tensor = part
-            else:
-                record = _tensor_record(item, tensor, offset, _is_primary(value, rank))
-            data = tensor
-            tensors.append((item.index.fqn, record, span))
-        planned.append(_Planned(record, data))
-        offset = _round_up(offset + record.length, files.ALIGNMENT)
-    paths = {fqn: tuple(path) for fqn, path in (plan.planner_data or {}).items()}
-    if cache is not None:
-        cache.layout = None
-        if key is not None:
-            cache.layout = _Layout(
-                key=key,
-                tensors=tuple(tensors),
-                blobs=tuple(
-                    (p.record.fqn, p.record.primary)
-                    for p in planned
-                    if p.record.kind is ItemKind.BYTES
-                ),
-                blob_offset=offset if blob_offset is None else blob_offset,
-                paths=paths,
-            )
-    return planned, paths
-
-
-def _structure(
-    flat: StateDict, mappings: Mapping[str, Any], rank: int, stripe: Stripe | None
-) -> tuple[Any, ...] | None:
-    """What the layout of a flattened state dict depends on; None when it
-    holds a value whose layout DCP computes each time (a DTensor, a
-    ShardedTensor, any tensor that plans its own writes)."""
-    parts: list[Any] = [rank, stripe]
-    for fqn, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            if not _is_plain_tensor(value):  # DTensor, ShardedTensor, any subclass
-                return None
-            parts.append(
-                (fqn, mappings.get(fqn), tuple(value.shape), value.dtype, value.device,
-                 value.layout, value.requires_grad)
-            )  # fmt: skip
-        else:
-            parts.append((fqn, mappings.get(fqn)))
-    return tuple(parts)
-
-
-def _is_plain_tensor(value: torch.Tensor) -> bool:
-    return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
-
-
-def _replan(layout: _Layout, flat: StateDict, blobs: BlobCache | None) -> list[_Planned]:
-    planned = [
-        _Planned(record, flat[fqn] if span is None else flat[fqn].narrow(0, *span))
-        for fqn, record, span in layout.tensors
-    ]
-    offset = layout.blob_offset
-    for fqn, primary in layout.blobs:
-        data = _serialized(fqn, flat[fqn], blobs)
-        record = ItemRecord(
-            fqn=fqn, kind=ItemKind.BYTES, offset=offset, length=len(data), primary=primary
-        )
-        planned.append(_Planned(record, data))
-        offset = _round_up(offset + len(data), files.ALIGNMENT)
-    return planned
-
-
-def _serialized(fqn: str, value: object, blobs: BlobCache | None) -> memoryview:
-    """`value` as DCP's planner writes a non-tensor: its torch.save bytes."""
-
-    def serialize() -> io.BytesIO:
-        blob = io.BytesIO()
-        torch.save(value, blob)
-        return blob
-
-    return blobs.serialized(fqn, value, serialize) if blobs is not None else serialize().getbuffer()
-
-
-def _tensor_record(
-    item: WriteItem, data: torch.Tensor, offset: int, primary: bool, start: int | None = None
-) -> ItemRecord:
-    """The record of a tensor item; with `start`, of `data` as the rows from
-    `start` on of the planned tensor (a part cut by `Stripe`)."""
-    meta = item.tensor_data
-    assert meta is not None and meta.chunk is not None  # DCP sets both for tensor items
-    chunk_offsets, chunk_sizes = tuple(meta.chunk.offsets), tuple(meta.chunk.sizes)
-    if start is not None:
-        chunk_offsets, chunk_sizes = (start, *chunk_offsets[1:]), tuple(data.shape)
-    if tuple(data.shape) != chunk_sizes:
-        raise CheckpointError(
-            f"{item.index.fqn}: local tensor of shape {tuple(data.shape)} does not match its "
-            f"planned chunk {chunk_sizes}"
-        )
-    if data.device.type == "meta":
-        raise CheckpointError(f"{item.index.fqn} is a meta tensor: it has no data to save")
-    return ItemRecord(
-        fqn=item.index.fqn,
-        kind=ItemKind.SHARD if item.type == WriteItemType.SHARD else ItemKind.TENSOR,
-        offset=offset,
-        length=math.prod(chunk_sizes) * data.element_size(),
-        primary=primary,
-        dtype=dtype_name(meta.properties.dtype),
-        size=tuple(meta.size),
-        chunk_offsets=chunk_offsets,
-        chunk_sizes=chunk_sizes,
-        requires_grad=meta.properties.requires_grad,
-    )
-
-
-def _cut(
-    item: WriteItem, tensor: torch.Tensor, stripe: Stripe | None
-) -> tuple[torch.Tensor, int] | None:
-    """This rank's rows of a large plain tensor, and where they start; None
-    when it is kept whole (no striping, small, or too few rows)."""
-    if (
-        stripe is None
-        or stripe.local_world < 2
-        or item.type != WriteItemType.TENSOR
-        or tensor.dim() == 0
-        or tensor.shape[0] < stripe.local_world
-        or tensor.numel() * tensor.element_size() < STRIPE_MIN_BYTES
-    ):
-        return None
-    start, end = stripe.rows(tensor.shape[0])
-    return tensor.narrow(0, start, end - start), start
-
-
-def _is_primary(value: object, rank: int) -> bool:
-    """Whether this rank's copy of `value` is the one a persisted checkpoint keeps."""
-    if not isinstance(value, DTensor):
-        return rank == 0  # DCP treats plain values as replicated: rank 0 keeps them
-    coordinate = value.device_mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    return all(
-        c == 0 for c, p in zip(coordinate, value.placements, strict=True) if not p.is_shard()
-    )
-
-
 def _copy_items(
     body: torch.Tensor,
-    planned: list[_Planned],
+    planned: list[Planned],
     stream: Any = None,
     copied: Callable[[], None] | None = None,
     *,
@@ -909,9 +631,8 @@ def _copy_items(
     base = body.data_ptr()
     view = body.numpy().data
     for index, p in enumerate(planned):
-        span = body[p.record.offset : p.record.offset + p.record.length]
-        if isinstance(p.data, memoryview):
-            span.copy_(_as_bytes(p.data))
+        if isinstance(p.data, memoryview):  # a blob: a plain memcpy into the host body
+            view[p.record.offset : p.record.offset + p.record.length] = p.data.cast("B")
             later.append(index)
             continue
         data = p.data.detach()
@@ -929,6 +650,7 @@ def _copy_items(
                 pieces.append(_Piece(index, base + at, data.data_ptr() + at - start, view[at:till]))
             keep.append(data)
             continue
+        span = body[p.record.offset : p.record.offset + p.record.length]
         target = span.view(data.dtype).view(data.shape)
         if data.is_cuda:
             devices.add(data.device)
@@ -955,7 +677,7 @@ def _copy_items(
     return [tuple(d) for d in digests]
 
 
-def _digests(view: memoryview, planned: Sequence[_Planned]) -> list[tuple[int, ...]]:
+def _digests(view: memoryview, planned: Sequence[Planned]) -> list[tuple[int, ...]]:
     """The checksums of each item of `planned` as `view` (the body) holds it,
     a piece at a time."""
     spans = [
@@ -1029,7 +751,3 @@ def _as_bytes(data: bytes | bytearray | memoryview) -> torch.Tensor:
 
 def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
