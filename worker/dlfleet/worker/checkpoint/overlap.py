@@ -58,9 +58,18 @@ def deferrable(
     tensor of the modules and optimizers in `state` or in `also` (by its
     memory: a state dict, `get_state_dict`'s too, hands out views of the
     same tensors)."""
-    addresses = {_address(t) for t in guarded_tensors([*state.values(), *also])}
-    addresses.discard(0)  # empty tensors and meta tensors have no memory to hold
-    return lambda tensor: _address(tensor) in addresses
+    objects = [*state.values(), *also]
+    found: list[set[int]] = []  # the addresses, found at the first question (a small
+    # image, copied whole in the save, asks none)
+
+    def guarded(tensor: torch.Tensor) -> bool:
+        if not found:
+            addresses = {_address(t) for t in guarded_tensors(objects)}
+            addresses.discard(0)  # empty tensors and meta tensors have no memory to hold
+            found.append(addresses)
+        return _address(tensor) in found[0]
+
+    return guarded
 
 
 def _address(tensor: torch.Tensor) -> int:
