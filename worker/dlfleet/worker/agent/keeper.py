@@ -751,12 +751,11 @@ class ImageKeeper:
 
     def _send_replica(self, peer: str, held: _Held) -> checkpoint_pb2.ReplicateAck | None:
         try:
-            header, body = files.read_image_bytes(held.header_path)
+            header, decoded, body = files.read_image(held.header_path)
         except (OSError, CheckpointError) as exc:
             # Overwritten by a newer save meanwhile: that one is queued next.
             _log.debug("image of rank %d not replicated: %s", held.header.rank, exc)
             return None
-        decoded = files.decode_header(header)
         stub = checkpoint_pb2_grpc.KeeperStub(self._peer_channel(peer))
         try:
             ack: checkpoint_pb2.ReplicateAck = stub.Replicate(
@@ -814,6 +813,7 @@ class ImageKeeper:
         tmp = header_path.with_name(header_path.name + ".tmp")
         tmp.write_bytes(files.encode_header(renamed))
         tmp.replace(header_path)
+        self._headers.remember(header_path, renamed)  # listed at the next report
         replica = _Held(header_path, renamed, replica=True)
         with self._commits:
             self._commits.notify_all()  # a save may wait for this node to hold its step whole

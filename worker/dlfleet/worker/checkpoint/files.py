@@ -249,6 +249,11 @@ class HeaderCache:
         self._known[path] = (version, header)
         return header
 
+    def remember(self, path: Path, header: ImageHeader) -> None:
+        """`header` is what the file at `path` now holds (its writer knows)."""
+        stat = path.stat()
+        self._known[path] = ((stat.st_ino, stat.st_mtime_ns, stat.st_size), header)
+
 
 def replica_folders(own: Path) -> list[Path]:
     """The folders of the peers' replicas beside the node's own folder `own`."""
@@ -391,6 +396,12 @@ def read_image_bytes(header_path: Path) -> tuple[bytes, bytes]:
 
     Raises ImageChangedError if a save reused the slot while it was read.
     """
+    data, _, body = read_image(header_path)
+    return data, body
+
+
+def read_image(header_path: Path) -> tuple[bytes, ImageHeader, bytes]:
+    """`read_image_bytes`, with the header decoded too."""
     data = header_path.read_bytes()
     header = decode_header(data)
     body_path = header_path.parent / header.body_name
@@ -399,7 +410,7 @@ def read_image_bytes(header_path: Path) -> tuple[bytes, bytes]:
         check_body(header, body)
         if os.pread(f.fileno(), PREAMBLE_BYTES, 0) != preamble(header.nonce):
             raise ImageChangedError(f"{body_path} was overwritten while it was read")
-    return data, body
+    return data, header, body
 
 
 def _encode_item(item: ItemRecord) -> dict[str, Any]:
@@ -424,29 +435,30 @@ def _encode_item(item: ItemRecord) -> dict[str, Any]:
 
 
 def _decode_item(doc: dict[str, Any]) -> ItemRecord:
+    # Positional, without generators: the agent decodes a header per image
+    # (tens a second when saves come every step), most of it here.
     kind = ItemKind(doc["kind"])
-    digests = tuple(int(d) for d in doc.get("digests", ()))
+    digests = tuple(map(int, doc.get("digests", ())))
+    fqn, offset, length, primary = (
+        str(doc["fqn"]),
+        int(doc["offset"]),
+        int(doc["length"]),
+        bool(doc["primary"]),
+    )
     if kind is ItemKind.BYTES:
-        return ItemRecord(
-            fqn=str(doc["fqn"]),
-            kind=kind,
-            offset=int(doc["offset"]),
-            length=int(doc["length"]),
-            primary=bool(doc["primary"]),
-            digests=digests,
-        )
+        return ItemRecord(fqn, kind, offset, length, primary, digests=digests)
     return ItemRecord(
-        fqn=str(doc["fqn"]),
-        kind=kind,
-        offset=int(doc["offset"]),
-        length=int(doc["length"]),
-        primary=bool(doc["primary"]),
-        dtype=str(doc["dtype"]),
-        size=tuple(int(n) for n in doc["size"]),
-        chunk_offsets=tuple(int(n) for n in doc["chunk_offsets"]),
-        chunk_sizes=tuple(int(n) for n in doc["chunk_sizes"]),
-        requires_grad=bool(doc["requires_grad"]),
-        digests=digests,
+        fqn,
+        kind,
+        offset,
+        length,
+        primary,
+        str(doc["dtype"]),
+        tuple(map(int, doc["size"])),
+        tuple(map(int, doc["chunk_offsets"])),
+        tuple(map(int, doc["chunk_sizes"])),
+        bool(doc["requires_grad"]),
+        digests,
     )
 
 
