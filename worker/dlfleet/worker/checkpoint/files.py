@@ -155,7 +155,31 @@ def encode_header(header: ImageHeader) -> bytes:
 def _item_json(item: ItemRecord) -> str:
     """`json.dumps(_encode_item(item), separators=(",", ":"))`, formatted by
     hand: a header is written at every save, and json's encoder spent most
-    of a small image's header on its items."""
+    of a small image's header on its items. All but the checksums repeat
+    from save to save, and are formatted once."""
+    key = (
+        item.fqn,
+        item.kind,
+        item.offset,
+        item.length,
+        item.primary,
+        item.dtype,
+        item.size,
+        item.chunk_offsets,
+        item.chunk_sizes,
+        item.requires_grad,
+    )
+    fields = _FIELDS.get(key)
+    if fields is None:
+        if len(_FIELDS) >= _FIELDS_KEPT:
+            _FIELDS.clear()
+        fields = _FIELDS[key] = _item_fields(item)
+    if item.digests:
+        return f'{fields},"digests":[{_ints(item.digests)}]}}'
+    return fields + "}"
+
+
+def _item_fields(item: ItemRecord) -> str:
     text = (
         f'{{"fqn":{_json_string(item.fqn)},"kind":"{item.kind.value}","offset":{item.offset},'
         f'"length":{item.length},"primary":{_JSON_BOOL[item.primary]}'
@@ -167,11 +191,11 @@ def _item_json(item: ItemRecord) -> str:
             f'"chunk_sizes":[{_ints(item.chunk_sizes)}],'
             f'"requires_grad":{_JSON_BOOL[item.requires_grad]}'
         )
-    if item.digests:
-        text += f',"digests":[{_ints(item.digests)}]'
-    return text + "}"
+    return text
 
 
+_FIELDS: dict[tuple[Any, ...], str] = {}
+_FIELDS_KEPT = 8192
 _JSON_BOOL = {True: "true", False: "false"}
 
 
