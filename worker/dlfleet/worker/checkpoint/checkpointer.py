@@ -572,7 +572,8 @@ class Checkpointer:
             return
         previous = self._last_saved
         self._wait(
-            lambda: writer.has_room(step, self._protected()) or self._announced >= previous,
+            # The agent's answer first: it costs nothing, the slots' count does.
+            lambda: self._announced >= previous or writer.has_room(step, self._protected()),
             self.commit_wait_s,
         )
 
