@@ -17,6 +17,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from dlfleet.api.env import TOKEN_ENV
+
 
 class BenchError(RuntimeError):
     """The benchmark could not produce an honest figure; it says why."""
@@ -286,7 +288,7 @@ def trial_env(tag_env: str, tag: str, **extra: str) -> dict[str, str]:
     env.update(
         {
             tag_env: tag,
-            "DLFLEET_TOKEN": secrets.token_hex(16),
+            TOKEN_ENV: secrets.token_hex(16),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

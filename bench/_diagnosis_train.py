@@ -22,6 +22,8 @@ import sys
 import time
 from datetime import timedelta
 
+from dlfleet.api.env import NODE_ID_ENV
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
@@ -35,7 +37,7 @@ def parse_args() -> argparse.Namespace:
 
 def broken_gpu(args: argparse.Namespace) -> None:
     """Fail as a process on a GPU that fell off the bus, if this is one."""
-    node = os.environ.get("DLFLEET_NODE_ID", "")
+    node = os.environ.get(NODE_ID_ENV, "")
     if node.startswith(f"{args.bad_node}#") and os.path.exists(args.fault_file):
         print("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", file=sys.stderr)
         sys.stderr.flush()
@@ -51,7 +53,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     log = os.open(args.step_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    node = os.environ.get("DLFLEET_NODE_ID", "?")
+    node = os.environ.get(NODE_ID_ENV, "?")
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU()

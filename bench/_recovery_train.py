@@ -39,6 +39,8 @@ import os
 import time
 from typing import Any
 
+from dlfleet.api.env import ROUND_ENV, SPARE_ENV
+
 _STARTED = time.time()
 
 
@@ -87,14 +89,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     pid = os.getpid()
-    spare = os.environ.get("DLFLEET_SPARE") == "1"
+    spare = os.environ.get(SPARE_ENV) == "1"
     write_pid_file(
         args.pids_dir,
         {
             "pid": pid,
             "rank": -1 if spare else int(os.environ.get("RANK", "0")),
             "local_rank": -1 if spare else int(os.environ.get("LOCAL_RANK", "0")),
-            "round": os.environ.get("DLFLEET_ROUND", ""),
+            "round": os.environ.get(ROUND_ENV, ""),
             "started": _STARTED,
         },
     )
@@ -122,9 +124,7 @@ def main() -> int:
     step_s = args.step_ms / 1000.0
 
     def train(attempt: elastic.Attempt) -> None:
-        attempt_id = os.environ.get("DLFLEET_ROUND") or os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0"
-        )
+        attempt_id = os.environ.get(ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         write_pid_file(
             args.pids_dir,
             {

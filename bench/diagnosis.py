@@ -72,6 +72,8 @@ from _common import (
     spawn_logged,
 )
 
+from dlfleet.api.env import TOKEN_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "bench" / "_diagnosis_train.py"
 PYTHON = Path(sys.executable)
@@ -141,7 +143,7 @@ class Trial:
         self.env = {
             **os.environ,
             TAG_ENV: self.tag,
-            "DLFLEET_TOKEN": secrets.token_hex(16),
+            TOKEN_ENV: secrets.token_hex(16),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

@@ -130,6 +130,8 @@ from _common import (
     tagged_pids,
 )
 
+from dlfleet.api.env import TOKEN_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 TRAIN = BENCH / "_loader_train.py"
@@ -221,7 +223,7 @@ class TrialRun:
         env.update(
             {
                 TAG_ENV: self.tag,
-                "DLFLEET_TOKEN": secrets.token_hex(16),
+                TOKEN_ENV: secrets.token_hex(16),
                 "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dlfleet.api.env import CHECKPOINT_DIR_ENV
+
 MODES = ("none", "dlfleet", "torch.save")
 STAGES = ("state", "plan", "copy", "header")
 
@@ -102,7 +104,7 @@ def main() -> int:
 def measure(args: argparse.Namespace, images: str) -> int:
     # The folder dlworker's agent gives its workers (no agent here: nothing
     # is announced or replicated; the process's own cost only).
-    os.environ["DLFLEET_CHECKPOINT_DIR"] = images
+    os.environ[CHECKPOINT_DIR_ENV] = images
 
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -73,6 +73,8 @@ from loader import (
     tail,
 )
 
+from dlfleet.api.env import TOKEN_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "bench" / "_stream_train.py"
 GOAL_RATIO = 0.97
@@ -231,7 +233,7 @@ def dlfleet_resume(paths: list[str], steps: int, root: Path) -> tuple[int, int]:
         [str(BIN / "dlmaster"), "--port", str(port), "--state-store", f"sqlite:///{root}/r.db"],
         root / "resume-master.log",
         ready_text="listening on",
-        env={**os.environ, "DLFLEET_TOKEN": token},
+        env={**os.environ, TOKEN_ENV: token},
     )
     catalog = FileCatalog(paths, block_size=256, shuffle_window=1024, cache_dir=root / "cache")
     state: list[dict[str, Any]] = []
