@@ -13,7 +13,8 @@ For each method of `--methods`, in that order, it runs `--warmup` untimed and
 then `--saves` timed saves, one training step before each, and records the
 time the training thread is held by each save:
 
-* `dlfleet`: `Checkpointer.save(step, {"model": model, "optim": optimizer})`,
+* `dlfleet`: `Checkpointer.save(step, state, overlap=(model, optimizer))`,
+  the state dicts built before the timed call as for every other method,
   in-memory, not persisted (persist_every=0), overlapped: the parameters and
   AdamW's moments are copied into this rank's image in the agent's shared
   memory while the next step's forward and backward run. Its blocking time is
@@ -473,7 +474,7 @@ class Saver:
             ckpt = self.job.checkpointer
             before = ckpt.blocked_s
             with Stopwatch() as held:
-                ckpt.save(step, {"model": self.job.model, "optim": self.job.optimizer})
+                ckpt.save(step, live, overlap=(self.job.model, self.job.optimizer))
             self.saved_step = step
             return held.wall, {"cpu_s": held.cpu, "checkpointer_blocked_s": ckpt.blocked_s - before}
         if self.method.startswith("torch_save"):
