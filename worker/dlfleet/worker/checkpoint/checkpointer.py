@@ -149,7 +149,7 @@ IMAGE_SLOTS = 64
 # An image this small is copied, summed and finished in save() itself: the
 # copy takes less than handing it to the background threads (a state of a
 # few thousand parameters: tens of microseconds against hundreds).
-INLINE_IMAGE_BYTES = 1048576
+INLINE_IMAGE_BYTES = 1 << 20
 IMAGE_MEMORY_BYTES = 1 << 30
 _PRIVATE_SLOTS = 3  # the newest image, the one being persisted, the one being written
 _TIMES_KEPT = 16  # images whose times image_times() still knows

@@ -157,18 +157,7 @@ def _item_json(item: ItemRecord) -> str:
     hand: a header is written at every save, and json's encoder spent most
     of a small image's header on its items. All but the checksums repeat
     from save to save, and are formatted once."""
-    key = (
-        item.fqn,
-        item.kind,
-        item.offset,
-        item.length,
-        item.primary,
-        item.dtype,
-        item.size,
-        item.chunk_offsets,
-        item.chunk_sizes,
-        item.requires_grad,
-    )
+    key = _without_digests(item)
     fields = _FIELDS.get(key)
     if fields is None:
         if len(_FIELDS) >= _FIELDS_KEPT:
@@ -194,7 +183,7 @@ def _item_fields(item: ItemRecord) -> str:
     return text
 
 
-_FIELDS: dict[tuple[Any, ...], str] = {}
+_FIELDS: dict[_Fields, str] = {}
 _FIELDS_KEPT = 8192
 _JSON_BOOL = {True: "true", False: "false"}
 
@@ -210,7 +199,18 @@ def _ints(values: tuple[int, ...]) -> str:
 
 def with_digests(item: ItemRecord, digests: tuple[int, ...]) -> ItemRecord:
     """`item` with its checksums."""
-    return ItemRecord(
+    return ItemRecord(*_without_digests(item), digests)
+
+
+_Fields = tuple[
+    str, ItemKind, int, int, bool, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool
+]
+
+
+def _without_digests(item: ItemRecord) -> _Fields:
+    """Every field of `item` but its checksums, in the constructor's order
+    (positional: `dataclasses.replace` and `astuple` cost more per save)."""
+    return (
         item.fqn,
         item.kind,
         item.offset,
@@ -221,7 +221,6 @@ def with_digests(item: ItemRecord, digests: tuple[int, ...]) -> ItemRecord:
         item.chunk_offsets,
         item.chunk_sizes,
         item.requires_grad,
-        digests,
     )
 
 

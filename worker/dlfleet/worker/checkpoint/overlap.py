@@ -25,6 +25,7 @@ Lives in every training process (rank) that saves.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -59,17 +60,14 @@ def deferrable(
     memory: a state dict, `get_state_dict`'s too, hands out views of the
     same tensors)."""
     objects = [*state.values(), *also]
-    found: list[set[int]] = []  # the addresses, found at the first question (a small
-    # image, copied whole in the save, asks none)
 
-    def guarded(tensor: torch.Tensor) -> bool:
-        if not found:
-            addresses = {_address(t) for t in guarded_tensors(objects)}
-            addresses.discard(0)  # empty tensors and meta tensors have no memory to hold
-            found.append(addresses)
-        return _address(tensor) in found[0]
+    @functools.cache  # found at the first question (a small image, copied whole, asks none)
+    def addresses() -> set[int]:
+        found = {_address(t) for t in guarded_tensors(objects)}
+        found.discard(0)  # empty tensors and meta tensors have no memory to hold
+        return found
 
-    return guarded
+    return lambda tensor: _address(tensor) in addresses()
 
 
 def _address(tensor: torch.Tensor) -> int:

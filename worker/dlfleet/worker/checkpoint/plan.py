@@ -194,10 +194,6 @@ def _shape(value: Any) -> Any:
     with their keys (and the keys' types), the type of each leaf, and each
     tensor's shape, dtype, device, layout and requires_grad."""
     kind = type(value)
-    if kind is dict:
-        return (kind, tuple((type(k), k, _shape(v)) for k, v in value.items()))
-    if kind is list or kind is tuple:
-        return (kind, tuple(_shape(v) for v in value))
     if isinstance(value, torch.Tensor):
         if not _is_plain_tensor(value):
             raise _Unplannable
