@@ -39,3 +39,17 @@ def test_runs_and_scattered_positions_of_huge_datasets_agree(
     start = data.draw(st.integers(0, size - 1))
     end = min(size, start + data.draw(st.integers(1, 300)))
     assert indexer.ranges([(start, end)]) == [permutation[p] for p in range(start, end)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(start=st.integers(0, 3 * BLOCK + 4), length=st.integers(1, 2 * BLOCK))
+def test_one_run_maps_as_the_permutation_does_within_a_block_and_across_blocks(
+    start: int, length: int
+) -> None:
+    # One run is the common case (a rank's slice of a batch of one lease),
+    # taken by a shorter path when it lies within one block.
+    size = 3 * BLOCK + 5
+    permutation = EpochPermutation(size, 5, 2)
+    indexer = PositionIndexer(permutation)
+    end = min(size, start + length)
+    assert indexer.ranges([(start, end)]) == [permutation[p] for p in range(start, end)]

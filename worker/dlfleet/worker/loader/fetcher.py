@@ -135,7 +135,10 @@ class LeaseFetcher:
         with self._cond:
             self._cond.wait_for(lambda: bool(self._results))
             item = self._results.popleft()
-            self._cond.notify_all()
+            # The thread waits for room only (see _may_ask): waking it for
+            # every shard taken would cost the training thread GIL hand-offs.
+            if len(self._results) < self._refill_below:
+                self._cond.notify_all()
         if isinstance(item, BaseException):
             with self._cond:
                 self._results.appendleft(item)  # every later read fails the same way

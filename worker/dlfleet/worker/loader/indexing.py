@@ -106,6 +106,11 @@ class PositionIndexer:
         """Record indices of the positions of each run [start, end), in order."""
         perm = self.permutation
         size = perm.size
+        if len(runs) == 1 and self.bulk:  # one run within one block: most batches
+            start, end = runs[0]
+            number, offset = divmod(start, BLOCK)
+            if 0 <= start < end <= size and end - start <= BLOCK - offset:
+                return self._block(number)[offset : offset + end - start]
         out: list[int] = []
         for start, end in runs:
             if start >= end:

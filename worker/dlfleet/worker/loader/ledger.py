@@ -59,9 +59,11 @@ class LeaseLedger:
         with self._lock:
             for lease_id, count in batch.lease_counts():
                 lease = self._leases.get(lease_id)
-                if lease is not None and not lease.complete:
-                    lease.consumed = min(lease.length, lease.consumed + count)
-                    completed = completed or lease.complete
+                if lease is not None and lease.consumed < lease.length:
+                    lease.consumed += count
+                    if lease.consumed >= lease.length:
+                        lease.consumed = lease.length
+                        completed = True
             # No notify: the only waiter (wait_acked) waits for acks to be
             # confirmed, which consuming cannot bring about; this runs every step.
         return completed

@@ -84,6 +84,11 @@ class GlobalBatch:
 
     def rank_ranges(self, rank: int, world_size: int) -> list[tuple[int, int]]:
         """This rank's slice as runs [start, end) of positions, in order."""
+        segments = self.segments
+        if len(segments) == 1:  # most batches: one run of one lease (this runs every step)
+            only = segments[0]
+            lo, hi = rank_bounds(only.end - only.start, rank, world_size)
+            return [(only.start + lo, only.start + hi)] if lo < hi else []
         lo, hi = rank_bounds(self.size, rank, world_size)
         out: list[tuple[int, int]] = []
         offset = 0
@@ -107,7 +112,7 @@ class GlobalBatch:
 
     def lease_counts(self) -> list[tuple[int, int]]:
         """(lease id, positions of that lease in this batch), in order."""
-        return [(s.lease_id, s.length) for s in self.segments]
+        return [(s.lease_id, s.end - s.start) for s in self.segments]
 
 
 def rank_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
