@@ -51,8 +51,11 @@ install_packages() {
     wanted+=(golang-github-modern-go-reflect2-dev)
   [ ${#wanted[@]} -eq 0 ] && return 0
   log "installing ${wanted[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${wanted[@]}" >&2
+  # Another apt (the machine's own, a setup running beside) may hold dpkg's
+  # lock: wait for it, as scripts/setup.sh does, instead of failing at once.
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+    --no-install-recommends "${wanted[@]}" >&2
 }
 
 fetch_source() {
@@ -74,7 +77,7 @@ Dir::Cache "$apt/cache";
 APT::Sandbox::User "root";
 EOF
   log "fetching the source package kubernetes=$DEB_VERSION"
-  APT_CONFIG=$apt/apt.conf apt-get update -qq >&2
+  APT_CONFIG=$apt/apt.conf apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
   (cd "$work" && APT_CONFIG=$apt/apt.conf apt-get source -qq --download-only \
     "kubernetes=$DEB_VERSION" >&2)
   log "unpacking"
