@@ -25,9 +25,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from dlfleet.master.job.platform import crd
-from dlfleet.master.job.platform.operator import OperatorSettings
-from dlfleet.master.job.platform.operator_loop import Operator
+from dlfleet.master.job import crd
+from dlfleet.master.operator.controller import Operator
+from dlfleet.master.operator.plan import OperatorSettings
 
 pytestmark = pytest.mark.kube
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from dlfleet.master.job.platform import crd
+from dlfleet.master.job import crd
 
 pytestmark = pytest.mark.kube
 

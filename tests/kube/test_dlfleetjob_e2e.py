@@ -26,9 +26,9 @@ from kube.kube_jobs import AGENT, BATCH, EPOCHS, LEDGER_SCRIPT, SIZE, shared_vol
 from kubernetes import client as k8s
 from kubetest import KubeCluster, TestKubelet
 
-from dlfleet.master.job.platform import crd
-from dlfleet.master.job.platform.operator import OperatorSettings
-from dlfleet.master.job.platform.operator_loop import Operator
+from dlfleet.master.job import crd
+from dlfleet.master.operator.controller import Operator
+from dlfleet.master.operator.plan import OperatorSettings
 
 pytestmark = pytest.mark.kube
 

@@ -163,7 +163,7 @@ def _print_crd(argv: list[str]) -> int:
     parser.parse_args(argv)
     import yaml
 
-    from dlfleet.master.job.platform.crd import definition
+    from dlfleet.master.job.crd import definition
 
     sys.stdout.write("# Made by `dlmaster crd` from job.yaml's schema (JobConfig): do not edit.\n")
     sys.stdout.write(yaml.safe_dump(definition(), sort_keys=False, width=100))
@@ -206,8 +206,8 @@ def _operator(argv: list[str]) -> int:
     import threading
 
     from dlfleet.master.job.platform.kubernetes import connect
-    from dlfleet.master.job.platform.operator import OperatorSettings
-    from dlfleet.master.job.platform.operator_loop import Operator
+    from dlfleet.master.operator.controller import Operator
+    from dlfleet.master.operator.plan import OperatorSettings
 
     settings = OperatorSettings(
         master_image=args.image, service_account=args.service_account, master_env=master_env

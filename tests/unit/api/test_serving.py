@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from dlfleet.api.errors import NotFound
-from dlfleet.api.serving.answers import answer
+from dlfleet.api.serving.answers import answer, answer_stream
 from dlfleet.api.serving.flags import TokenFlags, add_tls_flags, tls_from_flags
 from dlfleet.api.serving.guard import RequestGuard
 from dlfleet.api.serving.tokens import TokenCheck
@@ -23,6 +23,7 @@ from dlfleet.api.v1 import job_pb2
 
 ECHO = "/test.Echo/Echo"
 MISSING = "/test.Echo/Missing"
+COUNT = "/test.Echo/Count"
 
 
 class Echo:
@@ -33,6 +34,13 @@ class Echo:
     @answer
     def missing(self, request: job_pb2.JobStatus, context: Any) -> job_pb2.JobStatus:
         raise NotFound("x" * 5_000)
+
+    @answer_stream
+    def count(self, request: job_pb2.JobStatus, context: Any) -> Iterator[job_pb2.JobStatus]:
+        """Two answers, then a domain error: the stream ends with its status."""
+        for i in range(2):
+            yield job_pb2.JobStatus(job_name=f"{request.job_name}{i}")
+        raise NotFound("no third")
 
 
 @pytest.fixture
@@ -52,7 +60,15 @@ def channel() -> Iterator[grpc.Channel]:
         [
             grpc.method_handlers_generic_handler(
                 "test.Echo",
-                {"Echo": unary(echo.echo), "Missing": unary(echo.missing)},
+                {
+                    "Echo": unary(echo.echo),
+                    "Missing": unary(echo.missing),
+                    "Count": grpc.unary_stream_rpc_method_handler(
+                        echo.count,
+                        job_pb2.JobStatus.FromString,
+                        job_pb2.JobStatus.SerializeToString,
+                    ),
+                },
             )
         ]
     )
@@ -96,6 +112,25 @@ def test_a_domain_error_is_answered_with_its_code_and_bounded_details(
         call(channel, MISSING, b"", "secret")
     assert refused.value.code() is grpc.StatusCode.NOT_FOUND
     assert (refused.value.details() or "").endswith("... (5000 bytes in all)")
+
+
+def test_a_domain_error_raised_while_a_stream_yields_ends_it_with_its_code(
+    channel: grpc.Channel,
+) -> None:
+    stub: Any = channel.unary_stream(
+        COUNT,
+        request_serializer=job_pb2.JobStatus.SerializeToString,
+        response_deserializer=job_pb2.JobStatus.FromString,
+    )
+    got: list[str] = []
+    with pytest.raises(grpc.RpcError) as refused:
+        for answer_ in stub(
+            job_pb2.JobStatus(job_name="n"), metadata=((TOKEN_METADATA_KEY, "secret"),), timeout=10
+        ):
+            got.append(answer_.job_name)
+    assert got == ["n0", "n1"]
+    assert refused.value.code() is grpc.StatusCode.NOT_FOUND
+    assert refused.value.details() == "no third"
 
 
 def test_a_streaming_method_without_the_token_gets_a_streaming_denial() -> None:

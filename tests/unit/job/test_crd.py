@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from dlfleet.master.job import crd
 from dlfleet.master.job.jobconfig import JobConfig
-from dlfleet.master.job.platform import crd
 
 ROOT = Path(__file__).resolve().parents[3]
 

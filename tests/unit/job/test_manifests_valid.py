@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dlfleet.master.job.crd import definition
 from dlfleet.master.job.jobconfig import parse_job_config
-from dlfleet.master.job.platform.crd import definition
 from dlfleet.master.job.platform.kubernetes import KubernetesPlatform, master_service
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -15,9 +15,10 @@ import kubernetes_validate
 import yaml
 from hypothesis import given
 
+from dlfleet.master.job import crd
 from dlfleet.master.job.jobconfig import JobConfig, load_job_config, parse_job_config
-from dlfleet.master.job.platform import crd
-from dlfleet.master.job.platform.operator import (
+from dlfleet.master.job.runner import job_token
+from dlfleet.master.operator.plan import (
     LABEL_JOB,
     POD_GROUP_LABEL,
     POD_GROUP_TOTAL,
@@ -29,7 +30,6 @@ from dlfleet.master.job.platform.operator import (
     master_job,
     plan,
 )
-from dlfleet.master.job.runner import job_token
 
 ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = OperatorSettings(master_image="registry.example.com/dlfleet-master:0.1")

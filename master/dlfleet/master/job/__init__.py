@@ -7,4 +7,6 @@ service for `dlmaster status` and `dlmaster scale`, talks to the brain
 Everything here runs in the supervisor process, except `control.py`: the
 `dlmaster status` / `dlmaster scale` commands, a short-lived client process of
 a running supervisor. The master service (`dlfleet.master.service`) never
-imports this package."""
+imports this package. `jobconfig.py` and `crd.py` (job.yaml as a Kubernetes
+resource) are read by the DLFleetJob controller too (`dlfleet.master.operator`,
+a process of its own), which imports nothing else from here."""

@@ -70,10 +70,10 @@ from dlfleet.api.v1 import job_pb2, job_pb2_grpc, rendezvous_pb2
 from dlfleet.api.v1.nodecheck_pb2 import NodeCheckVerdict
 from dlfleet.brain import PlanKind
 from dlfleet.master.job.brain_link import BrainLink
+from dlfleet.master.job.crd import KIND
 from dlfleet.master.job.display import Display
 from dlfleet.master.job.jobconfig import JobConfig
 from dlfleet.master.job.platform import Node, NodeState, Platform, describe_exit
-from dlfleet.master.job.platform.crd import KIND
 from dlfleet.master.job.platform.resource_link import ResourceLink, fields
 from dlfleet.master.job.policy import (
     ActiveNode,

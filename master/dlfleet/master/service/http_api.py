@@ -25,7 +25,6 @@ Lives in the master service process.
 from __future__ import annotations
 
 import errno
-import hmac
 import ssl
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -38,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dlfleet.api.errors import DlfleetError
 from dlfleet.api.serving.ports import Endpoint, PortInUse
+from dlfleet.api.serving.tokens import JOB_TOKEN_REFUSAL, token_matches
 from dlfleet.master.service.dashboard import Dashboard, wants_html
 from dlfleet.master.service.timeline import Timeline
 
@@ -153,7 +153,7 @@ class HttpEndpoint:
             given = authorization.removeprefix("Bearer ").strip()
         if given is None:
             given = request.cookies.get(TOKEN_COOKIE)
-        return given is not None and hmac.compare_digest(given.encode(), self._token)
+        return token_matches(given, self._token)
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -169,7 +169,7 @@ class HttpEndpoint:
             return self._dashboard.login_page(request)
         return web.json_response(
             {
-                "error": "missing or wrong job token",
+                "error": JOB_TOKEN_REFUSAL,
                 "how": f"send `Authorization: Bearer <token>` or `{TOKEN_HEADER}: <token>`, "
                 "or open /login?token=<token> once in a browser",
             },
@@ -184,7 +184,7 @@ class HttpEndpoint:
 
     async def _login(self, request: web.Request) -> web.StreamResponse:
         given = request.query.get("token", "")
-        if not hmac.compare_digest(given.encode(), self._token):
+        if not token_matches(given, self._token):
             return web.json_response({"error": "wrong job token"}, status=401)
         # no-store: the address with the token is not kept in a cache.
         response = web.Response(status=302, headers={"Location": "/", "Cache-Control": "no-store"})

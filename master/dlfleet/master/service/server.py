@@ -168,25 +168,18 @@ class ShardsService(shards_pb2_grpc.ShardsServicer, _Handlers):
     ) -> shards_pb2.ReportResponse:
         start = time.perf_counter()
         now = self.clock()
-        which = request.WhichOneof("result")
+        report = wire.lease_report_from_wire(request)
         duplicate = False
-        if which == "done":
+        if report.done:
             duplicate, events = self.state.book.report_done(
-                request.dataset, request.lease_id, request.round, now
-            )
-        elif which == "failure":
-            events = self.state.book.report_failure(
-                request.dataset,
-                request.lease_id,
-                request.round,
-                request.failure.consumed,
-                request.failure.reason,
-                now,
+                report.dataset, report.lease_id, report.round, now
             )
         else:
-            raise InvalidArgument("report names no result: set `done` or `failure`")
+            events = self.state.book.report_failure(
+                report.dataset, report.lease_id, report.round, report.consumed, report.reason, now
+            )
         await self.commit(events)
-        if which == "done":
+        if report.done:
             self.membership.metrics.acked(time.perf_counter() - start)
         return shards_pb2.ReportResponse(duplicate=duplicate)
 

@@ -9,6 +9,8 @@ Lives in the master service process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dlfleet.api.errors import InvalidArgument
 from dlfleet.api.v1 import checkpoint_pb2, nodecheck_pb2, shards_pb2
 from dlfleet.master.core.checkpoint_events import ImageCopy
@@ -114,6 +116,35 @@ def failed_to_wire(failed: FailedRange) -> shards_pb2.FailedShard:
         failures=failed.failures,
         last_reason=failed.reason,
     )
+
+
+@dataclass(frozen=True)
+class LeaseReport:
+    """A consumer's word on one lease (`Report`): trained whole (`done`), or
+    given up after `consumed` of its records, for `reason`."""
+
+    dataset: str
+    lease_id: int
+    round: int
+    done: bool
+    consumed: int = 0
+    reason: str = ""
+
+
+def lease_report_from_wire(msg: shards_pb2.ReportRequest) -> LeaseReport:
+    which = msg.WhichOneof("result")
+    if which == "done":
+        return LeaseReport(msg.dataset, msg.lease_id, msg.round, done=True)
+    if which == "failure":
+        return LeaseReport(
+            msg.dataset,
+            msg.lease_id,
+            msg.round,
+            done=False,
+            consumed=msg.failure.consumed,
+            reason=msg.failure.reason,
+        )
+    raise InvalidArgument("report names no result: set `done` or `failure`")
 
 
 def snapshot_to_wire(snap: Snapshot) -> shards_pb2.DatasetSnapshot:

@@ -1,14 +1,15 @@
 """Handlers raise domain errors; these decorators answer them with the status
 code that `dlfleet.api.status` maps them to (the one table), `rpc` for asyncio
-servicers, `answer` for thread-pool ones. Status details are bounded here too.
+servicers, `answer` and `answer_stream` (a handler that yields its answers)
+for thread-pool ones. Status details are bounded here too.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -64,10 +65,30 @@ def answer(
         try:
             return handler(self, request, context)
         except DlfleetError as error:
-            code = status_of(error)
-            if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-                _log.warning("%s failed: %s", handler.__name__, error)
-            context.abort(code, bounded_details(str(error)))
-            raise  # abort raises; this line is never reached
+            _abort(context, handler.__name__, error)
 
     return wrapper
+
+
+def answer_stream(
+    handler: Callable[[Any, Req, grpc.ServicerContext], Iterator[Resp]],
+) -> Callable[[Any, Req, grpc.ServicerContext], Iterator[Resp]]:
+    """`answer` for a thread-pool handler that yields its answers: an error
+    raised while it yields ends the stream with its status."""
+
+    @functools.wraps(handler)
+    def wrapper(self: Any, request: Req, context: grpc.ServicerContext) -> Iterator[Resp]:
+        try:
+            yield from handler(self, request, context)
+        except DlfleetError as error:
+            _abort(context, handler.__name__, error)
+
+    return wrapper
+
+
+def _abort(context: grpc.ServicerContext, name: str, error: DlfleetError) -> NoReturn:
+    code = status_of(error)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+        _log.warning("%s failed: %s", name, error)
+    context.abort(code, bounded_details(str(error)))
+    raise AssertionError("abort returned")  # pragma: no cover - abort raises

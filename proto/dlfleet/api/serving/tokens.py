@@ -1,7 +1,8 @@
 """The one token check: every RPC but the health check carries the token in
 the `x-dlfleet-token` metadata (`dlfleet.api.status.TOKEN_METADATA_KEY`),
-compared in constant time. Without it the call is answered UNAUTHENTICATED
-before any request is read, by a handler of the method's own kind: a unary
+compared in constant time (`token_matches`, which the HTTP endpoint uses
+too). Without it the call is answered UNAUTHENTICATED before any request is
+read, by a handler of the method's own kind: a unary
 denial of a streaming method would wait for a request that a streaming
 client may never send (a hang, not a status).
 
@@ -35,12 +36,20 @@ AsyncContinuation = Callable[
 Denials = dict[tuple[bool, bool], "grpc.RpcMethodHandler[Any, Any]"]
 
 
+def token_matches(given: str | bytes | None, token: bytes) -> bool:
+    """Whether `given` is `token`, compared in constant time: the one
+    comparison of every server that checks the job token (gRPC metadata,
+    the HTTP endpoint's header, cookie and login)."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode() if isinstance(given, str) else given, token)
+
+
 def carries_token(metadata: Sequence[tuple[str, str | bytes]] | None, token: bytes) -> bool:
-    """Whether the call's metadata holds `token` (constant-time compare)."""
+    """Whether the call's metadata holds `token`."""
     for key, value in metadata or ():
         if key == TOKEN_METADATA_KEY:
-            given = value.encode() if isinstance(value, str) else value
-            return hmac.compare_digest(given, token)
+            return token_matches(value, token)
     return False
 
 

@@ -24,6 +24,8 @@ import grpc
 
 from dlfleet.api.addresses import with_port
 from dlfleet.api.client import AgentSession, MasterClient
+from dlfleet.api.errors import InvalidArgument, NotFound, Unimplemented
+from dlfleet.api.serving.answers import answer, answer_stream
 from dlfleet.api.serving.tokens import TokenCheck
 from dlfleet.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from dlfleet.worker.agent.keeper import ImageKeeper
@@ -46,20 +48,24 @@ class Images(Protocol):
 
 
 class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
+    """Handlers raise domain errors; `answer` and `answer_stream` give them
+    their status by the one table (`dlfleet.api.status`), as the master's
+    and the brain's services do."""
+
     def __init__(self, orders: WorkerOrders | None, images: Images | None = None) -> None:
         """`orders`: None where nothing restarts the workers in place (the
         torchrun rendezvous handler's keeper): `Attach` is refused."""
         self.orders = orders
         self.images = images
 
+    @answer_stream
     def Attach(
         self, request: checkpoint_pb2.AttachRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.WorkerOrder]:
         orders = self.orders
         if orders is None:
-            context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "this node restarts its workers cold (torchrun): no in-place restarts",
+            raise Unimplemented(
+                "this node restarts its workers cold (torchrun): no in-place restarts"
             )
         line = orders.open_line(request.pid, request.spare)
         _log.info("process %d attached%s", request.pid, " as a spare" if request.spare else "")
@@ -77,38 +83,41 @@ class KeeperService(checkpoint_pb2_grpc.KeeperServicer):
             self.orders.report(request.pid, request.round, request.state, request.detail)
         return checkpoint_pb2.WorkerStateAck()
 
+    @answer
     def Saved(
         self, request: checkpoint_pb2.SavedNotice, context: grpc.ServicerContext
     ) -> checkpoint_pb2.SavedAck:
-        images = self._images(context)
+        images = self._images()
         try:
             return images.saved(request)
         except CheckpointError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidArgument(str(exc)) from exc
 
+    @answer
     def Replicate(
         self, request_iterator: Iterator[checkpoint_pb2.ImagePiece], context: grpc.ServicerContext
     ) -> checkpoint_pb2.ReplicateAck:
-        images = self._images(context)
+        images = self._images()
         try:
             return images.receive(request_iterator)
         except CheckpointError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidArgument(str(exc)) from exc
 
+    @answer_stream
     def Fetch(
         self, request: checkpoint_pb2.FetchRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.ImagePiece]:
-        images = self._images(context)
+        images = self._images()
         try:
             yield from images.send(request)
         except ImageChangedError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"overwritten while read: {exc}")
+            raise NotFound(f"overwritten while read: {exc}") from exc
         except CheckpointError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise NotFound(str(exc)) from exc
 
-    def _images(self, context: grpc.ServicerContext) -> Images:
+    def _images(self) -> Images:
         if self.images is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent keeps no checkpoint images")
+            raise Unimplemented("this agent keeps no checkpoint images")
         return self.images
 
 

@@ -2,7 +2,7 @@
 (`JobRunner`) writes the live figures into its status, and follows a change
 of its `spec.nodes`.
 
-The controller (`operator_loop.py`) sets `$DLFLEET_RESOURCE` to the
+The controller (`dlfleet.master.operator.controller`) sets `$DLFLEET_RESOURCE` to the
 resource's name in the master Pod. Every `every_s` the runner hands `publish`
 its status; the fields the master owns are patched (phase Running or
 Restarting, nodes ready/min/max, readyNodes, round, recordsDone, goodput),
@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dlfleet.api.v1 import job_pb2
-from dlfleet.master.job.platform import NodeState, crd
+from dlfleet.master.job import crd
+from dlfleet.master.job.platform import NodeState
 
 _log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Level-triggered: every `period_s` (and at once on start) it lists the
 DLFleetJobs it watches (one namespace, or all), and for each one lists what
 carries its job label and its owner reference (ConfigMaps, Secrets, Jobs,
-and PodGroups when the resource asks for a gang), asks `operator.plan` what
+and PodGroups when the resource asks for a gang), asks `plan.plan` what
 is missing or unwanted, creates and deletes that, and writes the resource's
 status. An object that another pass (or a controller before a restart)
 already made answers 409 and is adopted: nothing is made twice. A
@@ -37,8 +37,8 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from dlfleet.master.job.platform import crd
-from dlfleet.master.job.platform.operator import (
+from dlfleet.master.job import crd
+from dlfleet.master.operator.plan import (
     GANG,
     LABEL_JOB,
     OperatorSettings,

@@ -1,6 +1,6 @@
 """What the DLFleetJob controller wants to exist for one resource: pure.
 
-A DLFleetJob (`crd.py`) is job.yaml as a Kubernetes object. For each one the
+A DLFleetJob (`dlfleet.master.job.crd`) is job.yaml as a Kubernetes object. For each one the
 controller keeps three objects, all owned by the resource (so `kubectl
 delete` removes them, and with them everything the master made):
 
@@ -27,7 +27,7 @@ stops the workers and they persist their newest checkpoint). A spec that
 job.yaml's rules refuse wants nothing either, and the plan says why (the
 status condition names the field).
 
-Pure: no I/O, no clock; the adapter (`operator_loop.py`) lists, applies
+Pure: no I/O, no clock; the adapter (`controller.py`) lists, applies
 and writes the status.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 
 from dlfleet.api.env import RESOURCE_ENV
 from dlfleet.api.errors import DlfleetError
+from dlfleet.master.job import crd
 from dlfleet.master.job.jobconfig import JobConfig, parse_job_config
-from dlfleet.master.job.platform import crd
 
 LABEL_JOB = "dlfleet.io/job"
 LABEL_ROLE = "dlfleet.io/role"
