@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -74,3 +75,51 @@ def test_a_header_reads_back_as_written(drawn: list[ItemRecord], step: int) -> N
 @given(records, st.lists(st.integers(0, 2**64 - 1), max_size=3).map(tuple))
 def test_with_digests_changes_only_the_digests(item: ItemRecord, digests: tuple[int, ...]) -> None:
     assert files.with_digests(item, digests) == replace(item, digests=digests)
+
+
+def summary_of(header: ImageHeader) -> files.ImageSummary:
+    return files.ImageSummary(
+        header.step,
+        header.rank,
+        header.world_size,
+        header.round,
+        header.nonce,
+        header.body_name,
+        header.body_nbytes,
+    )
+
+
+@given(
+    st.integers(0, 2**62),
+    st.integers(0, 7),
+    st.integers(0, 2**40),
+    st.text(max_size=12),  # quotes, backslashes, control and non-ASCII characters
+    st.booleans(),
+)
+def test_a_summary_read_from_the_head_is_the_headers_own(
+    step: int, rank: int, nonce: int, name: str, reordered: bool
+) -> None:
+    header = ImageHeader(
+        step=step,
+        rank=rank,
+        world_size=8,
+        round=3,
+        nonce=nonce,
+        body_name=name,
+        body_nbytes=files.PREAMBLE_BYTES + 64,
+        items=(ItemRecord("a", ItemKind.BYTES, files.PREAMBLE_BYTES, 8, True, digests=(1,)),),
+        paths={"a": ("a",)},
+    )
+    data = files.encode_header(header)
+    if reordered:  # a header of another writer's key order: read whole
+        doc = json.loads(data)
+        data = json.dumps(dict(reversed(list(doc.items())))).encode()
+    assert files.decode_summary(data) == summary_of(header)
+
+
+def test_a_summary_of_a_header_that_is_not_one_is_refused() -> None:
+    good = ImageHeader(1, 0, 1, 0, 5, "b", files.PREAMBLE_BYTES, (), {})
+    data = files.encode_header(good)
+    for bad in (data[:-2], data.replace(b'"rank":0', b'"rank":3'), b"{}", b"not json"):
+        with pytest.raises(files.ImageFormatError):
+            files.decode_summary(bad)

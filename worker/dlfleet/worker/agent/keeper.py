@@ -3,8 +3,10 @@ master, copied to one peer node, served to whoever restores.
 
 The node's workers write their images (see `dlfleet.worker.checkpoint.files`)
 into `<root>/own`, a folder in /dev/shm that this agent creates and removes:
-the images outlive the worker processes, not the agent. After each save a
-worker tells the agent (`Keeper.Saved`); the agent then
+the images outlive the worker processes, not the agent. A worker tells the
+agent of its newest image (`Keeper.Saved`) after a save, at most every
+`ANNOUNCE_INTERVAL_S` of the Checkpointer (saves in between are history by
+then); the agent then
 
 - reports the image to the master, which commits a step once every rank of
   the round reported it (one report per step for all local ranks that saved
@@ -164,7 +166,7 @@ class _Wake:
 @dataclass(frozen=True)
 class _Held:
     header_path: Path
-    header: files.ImageHeader
+    header: files.ImageSummary
     replica: bool = False  # a peer's image, kept here
 
     @property
@@ -349,7 +351,7 @@ class ImageKeeper:
             self._say_slow(header, started, told)
         return checkpoint_pb2.SavedAck(committed_step=told)
 
-    def _say_slow(self, header: files.ImageHeader, started: float, told: int) -> None:
+    def _say_slow(self, header: files.ImageSummary, started: float, told: int) -> None:
         """A save's answer took long (its worker's notices wait for it, and
         its slots fill meanwhile): what this node had heard by then."""
         with self._lock:
@@ -386,7 +388,7 @@ class ImageKeeper:
             return max(committed, whole[1])
         return committed
 
-    def _wait_whole(self, header: files.ImageHeader, deadline: float) -> None:
+    def _wait_whole(self, header: files.ImageSummary, deadline: float) -> None:
         """Until this node holds every rank's image of `header`'s step (its
         own ranks' and replicas), or `deadline`. Not at all where it never
         held every rank of the round (a ring of more than two nodes)."""
@@ -623,12 +625,12 @@ class ImageKeeper:
 
     def _held_images(self) -> list[_Held]:
         """Every complete image in this node's memory, own and replicas."""
-        own = files.list_images(self.own_dir, cache=self._headers)
+        own = files.list_summaries(self.own_dir, cache=self._headers)
         held = [_Held(i.header_path, i.header) for i in own]
         for folder in sorted(self.replica_dir.iterdir()):
             held += [
                 _Held(i.header_path, i.header, replica=True)
-                for i in files.list_images(folder, cache=self._headers)
+                for i in files.list_summaries(folder, cache=self._headers)
             ]
         return held
 
@@ -717,12 +719,12 @@ class ImageKeeper:
         rounds = {rank: held.header.round for rank, held in newest}
         # The folder is listed only when a step is owed (most wakes owe none).
         if target >= 0 and any((rounds[rank], target) not in sent[rank] for rank in rounds):
-            own = files.list_images(self.own_dir, cache=self._headers)
+            own = files.list_summaries(self.own_dir, cache=self._headers)
             chosen = _unsent(own, sent, lambda h: h.step == target and rounds[h.rank] == h.round)
             if chosen:
                 return chosen
         if received is not None and any(received not in sent[rank] for rank in rounds):
-            own = files.list_images(self.own_dir, cache=self._headers)
+            own = files.list_summaries(self.own_dir, cache=self._headers)
             chosen = _unsent(own, sent, lambda h: (h.round, h.step) == received)
             if chosen:
                 return chosen
@@ -844,7 +846,7 @@ class ImageKeeper:
         needed again; the sender's saves wait for room on their side, so
         the replicas they send never outrun these slots."""
         held = []
-        for image in files.list_images(folder, header.rank, cache=self._headers):
+        for image in files.list_summaries(folder, header.rank, cache=self._headers):
             parsed = files.parse_name(image.header_path.name)
             if parsed is not None:
                 held.append(Held(parsed[1], image.header.round, image.header.step))
@@ -913,9 +915,9 @@ def _chain(
 
 
 def _unsent(
-    images: list[files.StoredImage],
+    images: list[files.StoredSummary],
     sent: dict[int, set[tuple[int, int]]],
-    wanted: Callable[[files.ImageHeader], bool],
+    wanted: Callable[[files.ImageSummary], bool],
 ) -> list[_Held]:
     """The `wanted` images of `images` of the ranks in `sent`, not sent yet."""
     return [

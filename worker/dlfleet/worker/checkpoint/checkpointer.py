@@ -10,7 +10,9 @@
 
 `save` copies the state into this rank's image in the node agent's shared
 memory (the only part the step waits for) and tells the agent in the
-background; the agent reports it to the master and copies it to a peer node.
+background (of the newest image, at most every ANNOUNCE_INTERVAL_S: saves of
+every step cost the agent, the master and the peer a handling per interval);
+the agent reports it to the master and copies it to a peer node.
 A step is *committed* once every rank of the round saved it. The agent's
 answers name the newest step committed and replicated; the rank keeps that
 step's image and every newer one, in up to IMAGE_SLOTS slots (fewer for a
@@ -141,6 +143,11 @@ AUTO_TARGET = 0.01  # the share of training time every="auto" lets saves cost
 AUTO_PROBE_EVERY = 16  # then every="auto" saves this far apart, twice, to time plain steps
 AUTO_MAX_EVERY = 10_000
 _CALL_TIMEOUT_S = 10.0
+# The fastest pace of a rank's announcements to its agent (the newest image
+# each time): saves of every few milliseconds cost the agent, the master and
+# the peer an image's handling per interval, not per step. The agent's
+# answers trail the saves by about this much more; the slots cover it.
+ANNOUNCE_INTERVAL_S = 0.1
 # Slots of a rank's images under an agent: the agent's answers may trail the
 # saves by this many less two before a save waits (see `_wait_for_room`), and
 # they take at most this much memory where fewer slots would not (never
@@ -247,6 +254,7 @@ class Checkpointer:
         self._seals: queue.Queue[tuple[PendingImage, bool] | None] = queue.Queue()
         self._seal_error: CheckpointError | None = None
         self._notices: queue.Queue[ImageFile | None] = queue.Queue()
+        self._closing = threading.Event()
         self._persists: queue.Queue[ImageFile | None] = queue.Queue()
         self._finishes: queue.Queue[tuple[ImageFile, Path] | None] = queue.Queue()
         self._threads = [
@@ -591,10 +599,17 @@ class Checkpointer:
                 elastic.check()
 
     def _notify_loop(self) -> None:
+        announced_at = -ANNOUNCE_INTERVAL_S
         while True:
             image = self._notices.get()
             if image is None:
                 return
+            # At most one announcement an interval (saves meanwhile are
+            # history by then, but the newest): each costs the agent a report,
+            # and the master a commit, whatever the save rate.
+            left = announced_at + ANNOUNCE_INTERVAL_S - time.monotonic()
+            if left > 0:
+                self._closing.wait(left)
             while True:  # the newest only: an older notice is history
                 try:
                     newer = self._notices.get_nowait()
@@ -604,6 +619,7 @@ class Checkpointer:
                     self._notices.put(None)
                     break
                 image = newer
+            announced_at = time.monotonic()
             self._announce(image)
 
     def _announce(self, image: ImageFile) -> None:
@@ -1133,6 +1149,7 @@ class Checkpointer:
                     self._acked.wait_for(lambda: self._persisting is None, PERSIST_TIMEOUT_S)
                     self._persisting = image.step
                 self._persists.put(image)
+        self._closing.set()  # the last image is announced without waiting out the interval
         self._notices.put(None)
         self._persists.put(None)
         for thread in self._threads:

@@ -90,7 +90,10 @@ class ItemRecord:
 
 
 @dataclass(frozen=True)
-class ImageHeader:
+class ImageSummary:
+    """What a header says of its image but its items: all the node agent
+    reads of the images it lists (`list_summaries`)."""
+
     step: int
     rank: int
     world_size: int
@@ -98,6 +101,10 @@ class ImageHeader:
     nonce: int  # also in the body's preamble
     body_name: str
     body_nbytes: int  # the bytes of the body that belong to this image
+
+
+@dataclass(frozen=True)
+class ImageHeader(ImageSummary):
     items: tuple[ItemRecord, ...]
     # DCP's planner_data: flattened key -> path in the nested state dict.
     paths: Mapping[str, ObjectPath] = field(default_factory=dict)
@@ -110,6 +117,15 @@ class StoredImage:
     header_path: Path
     body_path: Path
     header: ImageHeader
+
+
+@dataclass(frozen=True)
+class StoredSummary:
+    """An image found in a folder, by its summary (`list_summaries`)."""
+
+    header_path: Path
+    body_path: Path
+    header: ImageSummary
 
 
 def header_name(rank: int, slot: int) -> str:
@@ -246,6 +262,45 @@ def decode_header(data: bytes) -> ImageHeader:
     return header
 
 
+# A header's head, as `encode_header` writes it (json.dumps's order and
+# separators): its summary is read from here without decoding its items.
+_HEAD = re.compile(
+    rb'\{"format":"' + re.escape(FORMAT.encode()) + rb'","step":(\d+),"rank":(\d+),'
+    rb'"world_size":(\d+),"round":(\d+),"nonce":(\d+),'
+    rb'"body_name":("(?:[^"\\]|\\.)*"),"body_nbytes":(\d+),"paths":'
+)
+
+
+def decode_summary(data: bytes) -> ImageSummary:
+    """The summary of a header: from its head alone when it has the form
+    `encode_header` writes (a listing decodes every new header, most of
+    whose bytes are items), else from the whole header."""
+    match = _HEAD.match(data)
+    if match is None or not data.endswith(b"]}"):
+        whole = decode_header(data)
+        return ImageSummary(
+            step=whole.step,
+            rank=whole.rank,
+            world_size=whole.world_size,
+            round=whole.round,
+            nonce=whole.nonce,
+            body_name=whole.body_name,
+            body_nbytes=whole.body_nbytes,
+        )
+    step, rank, world, round_, nonce = (int(match.group(i)) for i in range(1, 6))
+    summary = ImageSummary(
+        step=step,
+        rank=rank,
+        world_size=world,
+        round=round_,
+        nonce=nonce,
+        body_name=str(json.loads(match.group(6))),
+        body_nbytes=int(match.group(7)),
+    )
+    _check_summary(summary)
+    return summary
+
+
 def read_header(path: Path) -> ImageHeader:
     try:
         return decode_header(path.read_bytes())
@@ -254,25 +309,28 @@ def read_header(path: Path) -> ImageHeader:
 
 
 class HeaderCache:
-    """Headers already decoded, by path and file version: a header is only
-    ever replaced whole, by rename (a new inode), so a file whose inode,
-    modification time and size did not change still says the same. For a
-    reader that lists a folder often (the agent, at each report)."""
+    """Summaries of headers already read, by path and file version: a header
+    is only ever replaced whole, by rename (a new inode), so a file whose
+    inode, modification time and size did not change still says the same.
+    For a reader that lists a folder often (the agent, at each report)."""
 
     def __init__(self) -> None:
-        self._known: dict[Path, tuple[tuple[int, int, int], ImageHeader]] = {}
+        self._known: dict[Path, tuple[tuple[int, int, int], ImageSummary]] = {}
 
-    def read(self, path: Path) -> ImageHeader:
+    def read(self, path: Path) -> ImageSummary:
         stat = path.stat()
         version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         known = self._known.get(path)
         if known is not None and known[0] == version:
             return known[1]
-        header = read_header(path)
-        self._known[path] = (version, header)
-        return header
+        try:
+            summary = decode_summary(path.read_bytes())
+        except ImageFormatError as e:
+            raise ImageFormatError(f"{path}: {e}") from e
+        self._known[path] = (version, summary)
+        return summary
 
-    def remember(self, path: Path, header: ImageHeader) -> None:
+    def remember(self, path: Path, header: ImageSummary) -> None:
         """`header` is what the file at `path` now holds (its writer knows)."""
         stat = path.stat()
         self._known[path] = ((stat.st_ino, stat.st_mtime_ns, stat.st_size), header)
@@ -286,24 +344,42 @@ def replica_folders(own: Path) -> list[Path]:
     return sorted(p for p in replicas.iterdir() if p.is_dir())
 
 
-def list_images(
-    directory: Path, rank: int | None = None, *, cache: HeaderCache | None = None
-) -> list[StoredImage]:
+def list_images(directory: Path, rank: int | None = None) -> list[StoredImage]:
     """The complete images in `directory` (of one rank, or of all), by rank and step.
 
     A header that disappears while listing (its slot being reused) is skipped.
     """
     found = []
-    for path in sorted(directory.glob("rank-*.slot-*.header")):
-        parsed = parse_name(path.name)
-        if parsed is None or (rank is not None and parsed[0] != rank):
-            continue
+    for path in _header_paths(directory, rank):
         try:
-            header = read_header(path) if cache is None else cache.read(path)
+            header = read_header(path)
         except FileNotFoundError:
             continue
         found.append(StoredImage(path, directory / header.body_name, header))
     return sorted(found, key=lambda image: (image.header.rank, image.header.step))
+
+
+def list_summaries(
+    directory: Path, rank: int | None = None, *, cache: HeaderCache
+) -> list[StoredSummary]:
+    """`list_images`, each image by its summary, read through `cache`."""
+    found = []
+    for path in _header_paths(directory, rank):
+        try:
+            summary = cache.read(path)
+        except FileNotFoundError:
+            continue
+        found.append(StoredSummary(path, directory / summary.body_name, summary))
+    return sorted(found, key=lambda image: (image.header.rank, image.header.step))
+
+
+def _header_paths(directory: Path, rank: int | None) -> list[Path]:
+    paths = []
+    for path in sorted(directory.glob("rank-*.slot-*.header")):
+        parsed = parse_name(path.name)
+        if parsed is not None and (rank is None or parsed[0] == rank):
+            paths.append(path)
+    return paths
 
 
 def newest_complete_step(headers: Iterable[ImageHeader]) -> int | None:
@@ -485,11 +561,15 @@ def _decode_item(doc: dict[str, Any]) -> ItemRecord:
     )
 
 
-def _check_header(header: ImageHeader) -> None:
+def _check_summary(header: ImageSummary) -> None:
     if not 0 <= header.rank < header.world_size:
         raise ImageFormatError(f"rank {header.rank} outside world size {header.world_size}")
     if header.body_nbytes < PREAMBLE_BYTES:
         raise ImageFormatError(f"body of {header.body_nbytes} bytes has no preamble")
+
+
+def _check_header(header: ImageHeader) -> None:
+    _check_summary(header)
     for item in header.items:
         if item.offset < PREAMBLE_BYTES or item.offset + item.length > header.body_nbytes:
             raise ImageFormatError(
