@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfleet.worker.checkpoint import files
+from dlfleet.worker.checkpoint.errors import ImageFormatError
 from dlfleet.worker.checkpoint.files import ImageHeader, ItemKind, ItemRecord
 
 ints = st.tuples(*[st.integers(0, 2**40)] * 2) | st.just(()) | st.tuples(st.integers(0, 9))
@@ -121,5 +122,5 @@ def test_a_summary_of_a_header_that_is_not_one_is_refused() -> None:
     good = ImageHeader(1, 0, 1, 0, 5, "b", files.PREAMBLE_BYTES, (), {})
     data = files.encode_header(good)
     for bad in (data[:-2], data.replace(b'"rank":0', b'"rank":3'), b"{}", b"not json"):
-        with pytest.raises(files.ImageFormatError):
+        with pytest.raises(ImageFormatError):
             files.decode_summary(bad)

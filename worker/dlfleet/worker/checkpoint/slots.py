@@ -23,14 +23,14 @@ With `keep_from` None nothing is committed: only the newest image is kept.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from dlfleet.worker.checkpoint.errors import SlotError
 
 
-@dataclass(frozen=True)
-class Held:
-    """The image one slot holds."""
+class Held(NamedTuple):
+    """The image one slot holds (a tuple: a writer lists every slot at each
+    save, up to 64 of them, and a frozen dataclass costs 10x to make)."""
 
     slot: int
     round: int
@@ -63,9 +63,9 @@ def choose(
             return True
         return keep_from is not None and image.step >= keep_from
 
-    spare = sorted((h for h in held if not needed(h)), key=lambda h: (h.step, h.round))
-    if spare:
-        return spare[0].slot, True
+    spare = min((h for h in held if not needed(h)), key=lambda h: (h.step, h.round), default=None)
+    if spare is not None:
+        return spare.slot, True
     used = {h.slot for h in held}
     unused = [slot for slot in range(slots) if slot not in used]
     if unused:
