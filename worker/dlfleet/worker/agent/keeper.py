@@ -815,7 +815,7 @@ class ImageKeeper:
         tmp = header_path.with_name(header_path.name + ".tmp")
         tmp.write_bytes(files.encode_header(renamed))
         tmp.replace(header_path)
-        self._headers.remember(header_path, renamed)  # listed at the next report
+        self._headers.remember(header_path, renamed.summary())  # listed at the next report
         replica = _Held(header_path, renamed, replica=True)
         with self._commits:
             self._commits.notify_all()  # a save may wait for this node to hold its step whole

@@ -34,7 +34,7 @@ import os
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,10 @@ class ImageSummary:
     nonce: int  # also in the body's preamble
     body_name: str
     body_nbytes: int  # the bytes of the body that belong to this image
+
+    def summary(self) -> ImageSummary:
+        """This summary alone (of a whole header: without its items)."""
+        return ImageSummary(*(getattr(self, f.name) for f in fields(ImageSummary)))
 
 
 @dataclass(frozen=True)
@@ -277,16 +281,7 @@ def decode_summary(data: bytes) -> ImageSummary:
     whose bytes are items), else from the whole header."""
     match = _HEAD.match(data)
     if match is None or not data.endswith(b"]}"):
-        whole = decode_header(data)
-        return ImageSummary(
-            step=whole.step,
-            rank=whole.rank,
-            world_size=whole.world_size,
-            round=whole.round,
-            nonce=whole.nonce,
-            body_name=whole.body_name,
-            body_nbytes=whole.body_nbytes,
-        )
+        return decode_header(data).summary()
     step, rank, world, round_, nonce = (int(match.group(i)) for i in range(1, 6))
     summary = ImageSummary(
         step=step,
